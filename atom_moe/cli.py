@@ -1,0 +1,30 @@
+"""The `atom-moe` command line: one subcommand per tool module."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> module exposing add_arguments(parser) and run(args) -> int
+SUBCOMMANDS = {
+    "demo": ("atom_moe.demo", "run a preset layer against the fp32 reference and print a table"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line and run one subcommand."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="atom-moe", description="atom_moe: fused expert-parallel MoE tools")
+    sub = parser.add_subparsers(dest="command")
+    modules = {}
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        module.add_arguments(sub.add_parser(name, help=help_text, description=module.__doc__))
+        modules[name] = module
+    args = parser.parse_args(argv or ["demo"])  # no arguments: run the demo on what the machine has
+    return modules[args.command or "demo"].run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

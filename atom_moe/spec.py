@@ -1,0 +1,219 @@
+"""What a MoE layer is: shapes, activation, routing, quant scheme, expert placement, limits.
+
+Every invalid combination raises `SpecError` at construction, naming what is wrong and
+what is allowed. Everything downstream (weights, kernels, buffers, plugins) reads the
+spec instead of re-deriving facts from tensor shapes.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, replace
+
+FP8_BLOCK = 128  # fp8 weights: 128x128 block scales; activations: per-token groups of 128
+MX_BLOCK = 32  # MXFP4 / MXFP8: one e8m0 scale per 32 elements along the reduction dim
+
+
+class SpecError(ValueError):
+    """An invalid MoE layer description."""
+
+
+class Scheme(str, enum.Enum):
+    """Quantization scheme of the expert weights and activations."""
+
+    BF16 = "bf16"  # bf16 weights and activations
+    FP8 = "fp8"  # e4m3 weights with 128x128 block scales, activations per-token-group-128
+    A16W4 = "a16w4"  # MXFP4 weights, bf16 activations
+    A8W4 = "a8w4"  # MXFP4 weights, e4m3 activations per-token-group-128
+
+    @classmethod
+    def parse(cls, value: "str | Scheme") -> "Scheme":
+        """Turn a string into a Scheme, with a clear error for unknown names."""
+        if isinstance(value, Scheme):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            allowed = ", ".join(s.value for s in cls)
+            raise SpecError(f"unknown quant scheme {value!r}; allowed: {allowed}") from None
+
+    @property
+    def is_mxfp4(self) -> bool:
+        return self in (Scheme.A16W4, Scheme.A8W4)
+
+    @property
+    def fp8_activations(self) -> bool:
+        return self in (Scheme.FP8, Scheme.A8W4)
+
+
+class ActivationKind(str, enum.Enum):
+    SWIGLU = "swiglu"  # silu(gate) * up
+    SWIGLU_OAI = "swiglu_oai"  # gpt-oss: clamp, gate * sigmoid(alpha * gate) * (up + 1)
+
+
+@dataclass(frozen=True)
+class Activation:
+    """The gated activation between GEMM1 and GEMM2."""
+
+    kind: ActivationKind = ActivationKind.SWIGLU
+    alpha: float = 1.702  # only for SWIGLU_OAI
+    limit: float = 7.0  # only for SWIGLU_OAI: gate <= limit, |up| <= limit
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "kind", ActivationKind(self.kind))
+        except ValueError:
+            allowed = ", ".join(k.value for k in ActivationKind)
+            raise SpecError(f"unknown activation {self.kind!r}; allowed: {allowed}") from None
+        if self.kind is ActivationKind.SWIGLU_OAI and not (self.alpha > 0 and self.limit > 0):
+            raise SpecError(
+                f"swiglu_oai needs alpha > 0 and limit > 0, got alpha={self.alpha}, limit={self.limit}"
+            )
+
+
+class Scoring(str, enum.Enum):
+    SOFTMAX = "softmax"
+    SIGMOID = "sigmoid"
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How router logits become (topk_weights, topk_ids).
+
+    softmax: softmax over all experts, top-k.
+    sigmoid: sigmoid scores; with a correction bias the choice uses score + bias but the
+    weights use the score (DeepSeek-V3); grouped top-k keeps the `topk_group` best of
+    `n_group` groups, a group scored by the sum of its two best biased scores.
+    """
+
+    scoring: Scoring = Scoring.SOFTMAX
+    renormalize: bool = True
+    n_group: int = 1
+    topk_group: int = 1
+    correction_bias: bool = False
+    routed_scaling_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "scoring", Scoring(self.scoring))
+        except ValueError:
+            allowed = ", ".join(s.value for s in Scoring)
+            raise SpecError(f"unknown routing scoring {self.scoring!r}; allowed: {allowed}") from None
+        if self.n_group < 1 or not (1 <= self.topk_group <= self.n_group):
+            raise SpecError(
+                f"grouped top-k needs n_group >= 1 and 1 <= topk_group <= n_group, "
+                f"got n_group={self.n_group}, topk_group={self.topk_group}"
+            )
+        if self.routed_scaling_factor <= 0:
+            raise SpecError(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which experts this expert-parallel rank owns (global expert ids, in local order)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_experts: tuple[int, ...] | None = None  # None: linear placement, filled by MoESpec
+
+    @staticmethod
+    def linear(rank: int, world_size: int, num_experts: int) -> "Placement":
+        """Contiguous placement: rank r owns experts [r*E/W, (r+1)*E/W); E must divide by W."""
+        if world_size < 1 or not (0 <= rank < world_size):
+            raise SpecError(f"EP rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
+        if num_experts % world_size:
+            raise SpecError(
+                f"linear placement needs num_experts divisible by the EP world size: "
+                f"{num_experts} experts over {world_size} ranks; pass an explicit local_experts list "
+                f"for uneven placement, or use a world size dividing {num_experts}"
+            )
+        per = num_experts // world_size
+        return Placement(rank, world_size, tuple(range(rank * per, (rank + 1) * per)))
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """One validated MoE layer description. Use `MoESpec.create(...)` or a preset."""
+
+    hidden_size: int
+    intermediate_size: int  # per expert, per TP shard
+    num_experts: int  # global routed experts
+    top_k: int
+    scheme: Scheme = Scheme.BF16
+    activation: Activation = field(default_factory=Activation)
+    routing: Routing = field(default_factory=Routing)
+    placement: Placement = field(default_factory=Placement)
+    max_tokens_per_rank: int = 8192
+    has_bias: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "scheme", Scheme.parse(self.scheme))
+        for name in ("hidden_size", "intermediate_size", "num_experts", "top_k", "max_tokens_per_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise SpecError(f"{name} must be a positive int, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise SpecError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}; top_k must be <= num_experts")
+        if self.scheme.is_mxfp4:
+            for name in ("hidden_size", "intermediate_size"):
+                value = getattr(self, name)
+                if value % MX_BLOCK:
+                    raise SpecError(
+                        f"scheme {self.scheme.value} (MXFP4) needs the reduction dims to be multiples of "
+                        f"{MX_BLOCK}: {name}={value} is not; allowed: {name} % {MX_BLOCK} == 0"
+                    )
+        # fp8 128-blocks deliberately accept any size: partial blocks are handled.
+        r = self.routing
+        if r.n_group > 1 and self.num_experts % r.n_group:
+            raise SpecError(f"grouped top-k needs num_experts % n_group == 0, got {self.num_experts} % {r.n_group}")
+        if r.n_group > 1 and self.top_k > (self.num_experts // r.n_group) * r.topk_group:
+            raise SpecError(
+                f"top_k={self.top_k} exceeds the experts in the {r.topk_group} kept groups "
+                f"({self.num_experts // r.n_group} each)"
+            )
+        if r.n_group > 1 and self.num_experts // r.n_group < 2:
+            raise SpecError("grouped top-k scores a group by its two best experts: need >= 2 experts per group")
+        p = self.placement
+        if p.local_experts is None:
+            object.__setattr__(self, "placement", Placement.linear(p.rank, p.world_size, self.num_experts))
+        else:
+            self._check_explicit_placement(p)
+
+    def _check_explicit_placement(self, p: Placement) -> None:
+        if p.world_size < 1 or not (0 <= p.rank < p.world_size):
+            raise SpecError(f"EP rank must be in [0, world_size), got rank={p.rank}, world_size={p.world_size}")
+        ids = tuple(int(e) for e in p.local_experts)
+        if not ids:
+            raise SpecError("local_experts is empty; every EP rank must own at least one expert")
+        if len(set(ids)) != len(ids):
+            raise SpecError(f"local_experts has duplicates: {ids}")
+        bad = [e for e in ids if not 0 <= e < self.num_experts]
+        if bad:
+            raise SpecError(f"local_experts {bad} outside [0, num_experts={self.num_experts})")
+        object.__setattr__(self, "placement", replace(p, local_experts=ids))
+
+    @classmethod
+    def create(cls, *, scheme: "str | Scheme" = "bf16", **kwargs) -> "MoESpec":
+        """Build a spec from plain values (strings for enums, dicts for sub-configs)."""
+        for key, typ in (("activation", Activation), ("routing", Routing), ("placement", Placement)):
+            if isinstance(kwargs.get(key), dict):
+                kwargs[key] = typ(**kwargs[key])
+        return cls(scheme=Scheme.parse(scheme), **kwargs)
+
+    @property
+    def local_experts(self) -> tuple[int, ...]:
+        return self.placement.local_experts  # type: ignore[return-value]
+
+    @property
+    def num_local_experts(self) -> int:
+        return len(self.local_experts)
+
+    def with_(self, **changes) -> "MoESpec":
+        """A copy with some fields changed (re-validated)."""
+        if "placement" not in changes and ("num_experts" in changes):
+            changes["placement"] = Placement(self.placement.rank, self.placement.world_size)
+        return replace(self, **changes)
+
+    def for_rank(self, rank: int, world_size: int, local_experts: tuple[int, ...] | None = None) -> "MoESpec":
+        """The same layer as seen by one EP rank."""
+        return replace(self, placement=Placement(rank, world_size, local_experts))

@@ -1,0 +1,288 @@
+"""Raw checkpoint / engine tensors -> prepared per-layer expert weights (built once).
+
+Prepared weight formats by scheme (E_l = local experts, tags from atom_moe.layout):
+
+| scheme      | w13 (INTERLEAVED rows)      | w13_scale                           | w2                 | w2_scale               |
+|-------------|-----------------------------|-------------------------------------|--------------------|------------------------|
+| bf16        | bf16 [E_l, 2I, H]           | None                                | bf16 [E_l, H, I]   | None                   |
+| fp8         | e4m3 [E_l, 2I, H]           | fp32 [E_l, ceil(I/128), 2, ceil(H/128)] (BLOCK_SCALE) | e4m3 [E_l, H, I] | fp32 [E_l, ceil(H/128), ceil(I/128)] |
+| a16w4/a8w4  | uint8 e2m1x2 [E_l, 2I, H/2] | uint8 e8m0 [E_l, 2I, H/32] (ROWS)   | uint8 [E_l, H, I/2]| uint8 [E_l, H, I/32]   |
+
+Biases (optional): w13_bias fp32 [E_l, 2I] INTERLEAVED, w2_bias fp32 [E_l, H].
+
+The local expert count is recorded here, from the spec's placement, and never inferred
+from a tensor shape later. Inputs given as a mutable mapping are consumed: their entries
+are popped, so the originals can be freed once the caller drops them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from . import formats
+from .layout import GateUpKind, GateUpLayout, GateUpTensor, interleave, require
+from .spec import FP8_BLOCK, MoESpec, Scheme
+
+
+class WeightError(ValueError):
+    """Expert weights that do not match the spec or the expected checkpoint format."""
+
+
+@dataclass
+class PreparedWeights:
+    """One MoE layer's local expert weights in the kernels' format (see module docstring)."""
+
+    scheme: Scheme
+    hidden_size: int
+    intermediate_size: int
+    num_experts: int  # global routed experts
+    local_experts: tuple[int, ...]  # global id of each local expert, in local order
+    num_local_experts: int  # recorded at build time, never inferred from shapes
+    expert_map: torch.Tensor  # int32 [num_experts]: global id -> local index, -1 if not local
+    w13: GateUpTensor
+    w13_scale: GateUpTensor | None
+    w2: torch.Tensor
+    w2_scale: torch.Tensor | None
+    w13_bias: GateUpTensor | None = None
+    w2_bias: torch.Tensor | None = None
+
+    def check(self, spec: MoESpec) -> None:
+        """Raise WeightError/LayoutError unless these weights are what `spec` needs."""
+        require(self.w13, GateUpLayout.INTERLEAVED, "w13")
+        if self.w13_bias is not None:
+            require(self.w13_bias, GateUpLayout.INTERLEAVED, "w13_bias")
+        if self.w13_scale is not None:
+            require(self.w13_scale, GateUpLayout.INTERLEAVED, "w13_scale")
+        mine = (self.scheme, self.hidden_size, self.intermediate_size, self.num_experts, self.local_experts)
+        theirs = (spec.scheme, spec.hidden_size, spec.intermediate_size, spec.num_experts, spec.local_experts)
+        if self.scheme.is_mxfp4 and spec.scheme.is_mxfp4:
+            mine, theirs = mine[1:], theirs[1:]  # a16w4 and a8w4 share one weight format
+        if mine != theirs:
+            raise WeightError(
+                f"prepared weights (scheme, H, I, E, local experts) = {mine[:4]}, {len(self.local_experts)} local "
+                f"do not match the spec {theirs[:4]}, {len(spec.local_experts)} local"
+            )
+        if spec.has_bias != (self.w2_bias is not None):
+            raise WeightError(f"spec.has_bias={spec.has_bias} but the prepared weights "
+                              f"{'have' if self.w2_bias is not None else 'lack'} biases")
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor these weights hold (for memory accounting)."""
+        out = [self.expert_map, self.w13.data, self.w2]
+        for t in (self.w13_scale, self.w13_bias):
+            if t is not None:
+                out.append(t.data)
+        out += [t for t in (self.w2_scale, self.w2_bias) if t is not None]
+        return out
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+# ---------------------------------------------------------------- one matrix
+# A "matrix" is (data, scale, fmt) for one [N, K] weight of one expert, fmt in
+# {"float", "fp8", "mxfp4"}: float has no scale, fp8 has 128x128 block scales, mxfp4 is
+# packed e2m1 [N, K/2] with e8m0 [N, K/32].
+def _source_format(data: torch.Tensor, scale: torch.Tensor | None, what: str) -> str:
+    if data.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        if scale is not None:
+            raise WeightError(f"{what}: a {data.dtype} weight takes no scale")
+        return "float"
+    if data.dtype == formats.FP8_DTYPE:
+        if scale is None:
+            raise WeightError(f"{what}: an fp8 weight needs its 128x128 block scales (weight_scale_inv)")
+        return "fp8"
+    if data.dtype == torch.uint8:
+        if scale is None or scale.dtype != torch.uint8:
+            raise WeightError(f"{what}: an MXFP4 (uint8) weight needs uint8 e8m0 scales")
+        return "mxfp4"
+    raise WeightError(f"{what}: unsupported weight dtype {data.dtype}; allowed: bf16/fp16/fp32, "
+                      f"float8_e4m3fn with block scales, uint8 MXFP4 with e8m0 scales")
+
+
+def _dequantize(data: torch.Tensor, scale: torch.Tensor | None, fmt: str) -> torch.Tensor:
+    if fmt == "float":
+        return data.float()
+    if fmt == "fp8":
+        return formats.dequantize_fp8_block(data, scale, FP8_BLOCK)
+    return formats.dequantize_mxfp4(data, scale)
+
+
+def _target_format(scheme: Scheme) -> str:
+    return {Scheme.BF16: "float", Scheme.FP8: "fp8"}.get(scheme, "mxfp4")
+
+
+def _convert(data: torch.Tensor, scale: torch.Tensor | None, src: str, dst: str):
+    """One [N, K] matrix from format src to dst; same format passes through untouched."""
+    if src == dst:
+        return (data.to(torch.bfloat16) if dst == "float" else data), scale
+    full = _dequantize(data, scale, src)
+    if dst == "float":
+        return full.to(torch.bfloat16), None
+    if dst == "fp8":
+        return formats.quantize_fp8_block(full, FP8_BLOCK)
+    return formats.quantize_mxfp4(full)
+
+
+def _expected_k(fmt: str, k: int) -> int:
+    return k // 2 if fmt == "mxfp4" else k
+
+
+# ---------------------------------------------------------------- builders
+def _check_count(name: str, tensor: torch.Tensor, spec: MoESpec, expert_ids: Sequence[int]) -> None:
+    if tensor.shape[0] != len(expert_ids):
+        raise WeightError(f"{name} holds {tensor.shape[0]} experts, expected {len(expert_ids)} "
+                          f"(expert_ids given: {len(expert_ids)})")
+
+
+def prepare_stacked(spec: MoESpec, w13: torch.Tensor, w2: torch.Tensor, *, layout: GateUpLayout | str,
+                    w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                    w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                    expert_ids: Sequence[int] | None = None, device: torch.device | str | None = None
+                    ) -> PreparedWeights:
+    """Engine-stacked w13 [E', 2I, K'] / w2 [E', H, I'] (+scales, biases) -> PreparedWeights.
+
+    `layout` names the gate/up layout of w13 (and its scales and bias): it is required,
+    never guessed. `expert_ids` names the global expert of each stacked row; by default
+    all `spec.num_experts` experts. Only the spec's local experts are kept.
+    fp8 w13 scales are [E', 2*ceil(I/128), ceil(H/128)] when SEPARATED (each of gate and
+    up blocked on its own) or [E', ceil(I/128), 2, ceil(H/128)] when INTERLEAVED.
+    """
+    layout = GateUpLayout(layout)
+    ids = list(range(spec.num_experts)) if expert_ids is None else [int(e) for e in expert_ids]
+    for name, t in (("w13", w13), ("w2", w2), ("w13_scale", w13_scale), ("w2_scale", w2_scale),
+                    ("w13_bias", w13_bias), ("w2_bias", w2_bias)):
+        if t is not None:
+            _check_count(name, t, spec, ids)
+    if spec.has_bias != (w13_bias is not None and w2_bias is not None):
+        raise WeightError(f"spec.has_bias={spec.has_bias} needs both w13_bias and w2_bias "
+                          f"{'given' if spec.has_bias else 'absent'}")
+    row_of = {e: i for i, e in enumerate(ids)}
+    missing = [e for e in spec.local_experts if e not in row_of]
+    if missing:
+        raise WeightError(f"local experts {missing} are not among the given expert_ids")
+
+    H, I = spec.hidden_size, spec.intermediate_size
+    src13 = _source_format(w13, w13_scale, "w13")
+    src2 = _source_format(w2, w2_scale, "w2")
+    for name, t, fmt, n, k in (("w13", w13, src13, 2 * I, H), ("w2", w2, src2, H, I)):
+        if tuple(t.shape[1:]) != (n, _expected_k(fmt, k)):
+            raise WeightError(f"{name} has shape {tuple(t.shape)}, expected [E, {n}, {_expected_k(fmt, k)}] "
+                              f"for H={H}, I={I} in {fmt} format")
+    dst = _target_format(spec.scheme)
+    dev = torch.device(device) if device is not None else w13.device
+
+    gate_rows, up_rows, g13, u13 = _gate_up_selectors(layout, w13_scale, src13, I)
+    w13_parts, s13_parts, w2_parts, s2_parts = [], [], [], []
+    for e in spec.local_experts:
+        r = row_of[e]
+        gd, gs = _convert(w13[r, gate_rows], None if w13_scale is None else w13_scale[r][g13], src13, dst)
+        ud, us = _convert(w13[r, up_rows], None if w13_scale is None else w13_scale[r][u13], src13, dst)
+        w13_parts.append(torch.cat((gd, ud)).to(dev))
+        if gs is not None:
+            s13_parts.append(torch.cat((gs, us)).to(dev))
+        d2, s2 = _convert(w2[r], None if w2_scale is None else w2_scale[r], src2, dst)
+        w2_parts.append(d2.to(dev))
+        if s2 is not None:
+            s2_parts.append(s2.to(dev))
+
+    scale_kind = GateUpKind.BLOCK_SCALE if dst == "fp8" else GateUpKind.ROWS
+    prepared13 = interleave(GateUpTensor(torch.stack(w13_parts), GateUpLayout.SEPARATED))
+    prepared13_scale = (interleave(GateUpTensor(torch.stack(s13_parts), GateUpLayout.SEPARATED, scale_kind))
+                        if s13_parts else None)
+    bias13 = bias2 = None
+    if spec.has_bias:
+        local_rows = torch.tensor([row_of[e] for e in spec.local_experts], device=w13_bias.device)
+        b13 = w13_bias.index_select(0, local_rows).float().to(dev)
+        bias13 = interleave(GateUpTensor(b13, layout)) if layout is GateUpLayout.SEPARATED \
+            else GateUpTensor(b13.contiguous(), GateUpLayout.INTERLEAVED)
+        bias2 = w2_bias.index_select(0, local_rows.to(w2_bias.device)).float().to(dev).contiguous()
+
+    expert_map = torch.full((spec.num_experts,), -1, dtype=torch.int32)
+    expert_map[list(spec.local_experts)] = torch.arange(spec.num_local_experts, dtype=torch.int32)
+    return PreparedWeights(
+        scheme=spec.scheme, hidden_size=H, intermediate_size=I, num_experts=spec.num_experts,
+        local_experts=spec.local_experts, num_local_experts=spec.num_local_experts,
+        expert_map=expert_map.to(dev), w13=prepared13, w13_scale=prepared13_scale,
+        w2=torch.stack(w2_parts), w2_scale=torch.stack(s2_parts) if s2_parts else None,
+        w13_bias=bias13, w2_bias=bias2,
+    )
+
+
+def _gate_up_selectors(layout: GateUpLayout, w13_scale, src: str, I: int):
+    """Index objects selecting gate and up rows (and their scale rows) of one expert."""
+    if layout is GateUpLayout.SEPARATED:
+        gate_rows, up_rows = slice(0, I), slice(I, 2 * I)
+    else:
+        gate_rows, up_rows = slice(0, 2 * I, 2), slice(1, 2 * I, 2)
+    if src != "fp8":
+        return gate_rows, up_rows, gate_rows, up_rows  # MX scales are row tensors
+    nb = -(-I // FP8_BLOCK)
+    if layout is GateUpLayout.SEPARATED:
+        if w13_scale.shape[1] != 2 * nb:
+            raise WeightError(f"separated fp8 w13 scales need {2 * nb} block rows (gate and up blocked "
+                              f"separately, ceil(I/128) each), got shape {tuple(w13_scale.shape)}")
+        return gate_rows, up_rows, slice(0, nb), slice(nb, 2 * nb)
+    if w13_scale.dim() != 4 or w13_scale.shape[1:3] != (nb, 2):
+        raise WeightError(f"interleaved fp8 w13 scales must be [E, {nb}, 2, kb], got {tuple(w13_scale.shape)}")
+    return gate_rows, up_rows, (slice(None), 0), (slice(None), 1)
+
+
+def _pop(tensors: MutableMapping[str, torch.Tensor], key: str) -> torch.Tensor:
+    try:
+        return tensors.pop(key)
+    except KeyError:
+        sample = ", ".join(sorted(tensors)[:4])
+        raise WeightError(f"missing checkpoint tensor {key!r} (have e.g. {sample or 'nothing'})") from None
+
+
+def prepare_hf_experts(spec: MoESpec, tensors: MutableMapping[str, torch.Tensor], prefix: str,
+                       device: torch.device | str | None = None) -> PreparedWeights:
+    """HF per-expert tensors (DeepSeek, Qwen, GLM, Kimi) -> PreparedWeights; consumes the local entries.
+
+    Keys: f"{prefix}.{e}.{gate_proj|up_proj|down_proj}.weight" ([I, H] / [H, I]) and, for
+    fp8 checkpoints, the matching ".weight_scale_inv" block scales. `prefix` is e.g.
+    "model.layers.3.mlp.experts". Non-local experts' entries are left in the mapping.
+    """
+    ws13, ws2, ss13, ss2 = [], [], [], []
+    for e in spec.local_experts:
+        base = f"{prefix}.{e}"
+        gate, up, down = (_pop(tensors, f"{base}.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj"))
+        ws13.append(torch.cat((gate, up)))
+        ws2.append(down)
+        if gate.dtype == formats.FP8_DTYPE:
+            scales = [_pop(tensors, f"{base}.{p}.weight_scale_inv") for p in ("gate_proj", "up_proj", "down_proj")]
+            ss13.append(torch.cat(scales[:2]))
+            ss2.append(scales[2])
+        del gate, up, down
+    return prepare_stacked(
+        spec, torch.stack(ws13), torch.stack(ws2), layout=GateUpLayout.SEPARATED,
+        w13_scale=torch.stack(ss13) if ss13 else None, w2_scale=torch.stack(ss2) if ss2 else None,
+        expert_ids=spec.local_experts, device=device,
+    )
+
+
+def prepare_gpt_oss(spec: MoESpec, tensors: MutableMapping[str, torch.Tensor], prefix: str,
+                    device: torch.device | str | None = None) -> PreparedWeights:
+    """gpt-oss checkpoint tensors -> PreparedWeights; consumes the entries it reads.
+
+    Keys under `prefix` (e.g. "model.layers.0.mlp.experts"): gate_up_proj_blocks uint8
+    [E, 2I, H/32, 16], gate_up_proj_scales uint8 [E, 2I, H/32], gate_up_proj_bias [E, 2I]
+    (rows INTERLEAVED: gate even, up odd), down_proj_blocks [E, H, I/32, 16],
+    down_proj_scales [E, H, I/32], down_proj_bias [E, H].
+    """
+    get = lambda name: _pop(tensors, f"{prefix}.{name}")  # noqa: E731
+    blocks13, scales13, bias13 = get("gate_up_proj_blocks"), get("gate_up_proj_scales"), get("gate_up_proj_bias")
+    blocks2, scales2, bias2 = get("down_proj_blocks"), get("down_proj_scales"), get("down_proj_bias")
+    for name, t in (("gate_up_proj_blocks", blocks13), ("down_proj_blocks", blocks2)):
+        if t.dim() != 4 or t.shape[-1] != 16:
+            raise WeightError(f"{prefix}.{name} must be [E, N, K/32, 16] uint8, got {tuple(t.shape)}")
+    if not spec.has_bias:
+        raise WeightError("gpt-oss experts carry biases: build the spec with has_bias=True")
+    return prepare_stacked(
+        spec, blocks13.flatten(-2), blocks2.flatten(-2), layout=GateUpLayout.INTERLEAVED,
+        w13_scale=scales13, w2_scale=scales2, w13_bias=bias13, w2_bias=bias2, device=device,
+    )

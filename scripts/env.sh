@@ -1,0 +1,38 @@
+# Sourced by scripts/test.sh and scripts/demo.sh: find or build the Python environment.
+#
+# Default: a virtualenv cached outside the repo, in $ATOM_MOE_CACHE (~/.cache/atom_moe),
+# keyed by this file and pyproject.toml, so repeated runs and fresh clones reuse it.
+# ATOM_MOE_PYTHON=python3 uses that interpreter as it is (e.g. the GPU machine, which has
+# torch and triton but no network): only this checkout is installed into it, offline.
+set -euo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cache=${ATOM_MOE_CACHE:-$HOME/.cache/atom_moe}
+torch_req=${ATOM_MOE_TORCH:-torch==2.13.0}
+# the interpreter version CI tests against: the GPU machine has triton 3.6 too
+triton_req=${ATOM_MOE_TRITON:-triton==3.6.0}
+
+ensure_python() {  # ensure_python EXTRAS -> sets PY
+    local extras=$1
+    if [ -n "${ATOM_MOE_PYTHON:-}" ]; then
+        PY=$ATOM_MOE_PYTHON
+        "$PY" -m pip install -q --no-deps --no-build-isolation -e "$repo" >/dev/null
+        return
+    fi
+    local key
+    key=$(cat "$repo/pyproject.toml" "$repo/scripts/env.sh" | sha256sum | cut -c1-12)
+    local venv="$cache/venv-$(python3 -c 'import sys; print("py%d%d" % sys.version_info[:2])')-$extras-$key"
+    if [ ! -f "$venv/.ready" ]; then
+        echo "atom_moe: building $venv (once)" >&2
+        rm -rf "$venv"
+        mkdir -p "$cache"
+        python3 -m venv "$venv"
+        "$venv/bin/pip" install -q --upgrade pip setuptools wheel
+        # torch first and pinned: a bare 'torch' requirement would pull a multi-GB CUDA build
+        "$venv/bin/pip" install -q "$torch_req" "$triton_req"
+        "$venv/bin/pip" install -q -e "$repo[$extras]"
+        touch "$venv/.ready"
+    fi
+    # point the editable install at this checkout (CI clones into a new folder each run)
+    "$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$repo" >/dev/null
+    PY=$venv/bin/python
+}
