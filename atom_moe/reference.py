@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from . import formats
-from .layout import GateUpKind, GateUpTensor, separate, split_gate_up
+from .layout import separate
 from .spec import FP8_BLOCK, Activation, ActivationKind, Scheme
 from .weights import PreparedWeights
 

@@ -208,12 +208,6 @@ class MoESpec:
     def num_local_experts(self) -> int:
         return len(self.local_experts)
 
-    def with_(self, **changes) -> "MoESpec":
-        """A copy with some fields changed (re-validated)."""
-        if "placement" not in changes and ("num_experts" in changes):
-            changes["placement"] = Placement(self.placement.rank, self.placement.world_size)
-        return replace(self, **changes)
-
     def for_rank(self, rank: int, world_size: int, local_experts: tuple[int, ...] | None = None) -> "MoESpec":
         """The same layer as seen by one EP rank."""
         return replace(self, placement=Placement(rank, world_size, local_experts))

@@ -49,6 +49,13 @@ class PreparedWeights:
     w13_bias: GateUpTensor | None = None
     w2_bias: torch.Tensor | None = None
 
+    def __post_init__(self) -> None:
+        # A separated w13 must never reach a kernel: refuse it at construction already.
+        for name in ("w13", "w13_scale", "w13_bias"):
+            t = getattr(self, name)
+            if t is not None or name == "w13":
+                require(t, GateUpLayout.INTERLEAVED, name)
+
     def check(self, spec: MoESpec) -> None:
         """Raise WeightError/LayoutError unless these weights are what `spec` needs."""
         require(self.w13, GateUpLayout.INTERLEAVED, "w13")
@@ -172,6 +179,18 @@ def prepare_stacked(spec: MoESpec, w13: torch.Tensor, w2: torch.Tensor, *, layou
         if tuple(t.shape[1:]) != (n, _expected_k(fmt, k)):
             raise WeightError(f"{name} has shape {tuple(t.shape)}, expected [E, {n}, {_expected_k(fmt, k)}] "
                               f"for H={H}, I={I} in {fmt} format")
+    for name, t, fmt, n, k in (("w13_scale", w13_scale, src13, 2 * I, H), ("w2_scale", w2_scale, src2, H, I)):
+        if fmt == "mxfp4":
+            want = (n, k // 32)
+        elif fmt == "fp8" and name == "w2_scale":
+            want = (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
+        elif fmt == "fp8":  # w13 block rows depend on the layout: checked in _gate_up_selectors
+            want = (*t.shape[1:-1], -(-k // FP8_BLOCK))
+        else:
+            continue
+        if tuple(t.shape[1:]) != want:
+            raise WeightError(f"{name} has shape {tuple(t.shape)}, expected [E, {', '.join(map(str, want))}] "
+                              f"for H={H}, I={I} in {fmt} format")
     dst = _target_format(spec.scheme)
     dev = torch.device(device) if device is not None else w13.device
 
@@ -248,9 +267,13 @@ def prepare_hf_experts(spec: MoESpec, tensors: MutableMapping[str, torch.Tensor]
     "model.layers.3.mlp.experts". Non-local experts' entries are left in the mapping.
     """
     ws13, ws2, ss13, ss2 = [], [], [], []
+    H, I = spec.hidden_size, spec.intermediate_size
     for e in spec.local_experts:
         base = f"{prefix}.{e}"
         gate, up, down = (_pop(tensors, f"{base}.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj"))
+        for p, t, shape in (("gate_proj", gate, (I, H)), ("up_proj", up, (I, H)), ("down_proj", down, (H, I))):
+            if tuple(t.shape) != shape:
+                raise WeightError(f"{base}.{p}.weight has shape {tuple(t.shape)}, expected [{shape[0]}, {shape[1]}]")
         ws13.append(torch.cat((gate, up)))
         ws2.append(down)
         if gate.dtype == formats.FP8_DTYPE:
@@ -274,14 +297,14 @@ def prepare_gpt_oss(spec: MoESpec, tensors: MutableMapping[str, torch.Tensor], p
     (rows INTERLEAVED: gate even, up odd), down_proj_blocks [E, H, I/32, 16],
     down_proj_scales [E, H, I/32], down_proj_bias [E, H].
     """
+    if not spec.has_bias:
+        raise WeightError("gpt-oss experts carry biases: build the spec with has_bias=True")
     get = lambda name: _pop(tensors, f"{prefix}.{name}")  # noqa: E731
     blocks13, scales13, bias13 = get("gate_up_proj_blocks"), get("gate_up_proj_scales"), get("gate_up_proj_bias")
     blocks2, scales2, bias2 = get("down_proj_blocks"), get("down_proj_scales"), get("down_proj_bias")
     for name, t in (("gate_up_proj_blocks", blocks13), ("down_proj_blocks", blocks2)):
         if t.dim() != 4 or t.shape[-1] != 16:
             raise WeightError(f"{prefix}.{name} must be [E, N, K/32, 16] uint8, got {tuple(t.shape)}")
-    if not spec.has_bias:
-        raise WeightError("gpt-oss experts carry biases: build the spec with has_bias=True")
     return prepare_stacked(
         spec, blocks13.flatten(-2), blocks2.flatten(-2), layout=GateUpLayout.INTERLEAVED,
         w13_scale=scales13, w2_scale=scales2, w13_bias=bias13, w2_bias=bias2, device=device,
