@@ -9,6 +9,7 @@ import sys
 # subcommand -> module exposing add_arguments(parser) and run(args) -> int
 SUBCOMMANDS = {
     "demo": ("atom_moe.demo", "run a preset layer against the fp32 reference and print a table"),
+    "bench": ("atom_moe.bench", "time the experts step against the measured roofline of this GPU"),
     "gsm8k": ("atom_moe.gsm8k", "GSM8K accuracy of a live OpenAI-compatible server (vLLM, SGLang)"),
 }
 

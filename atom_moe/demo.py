@@ -31,6 +31,7 @@ class PathChoice:
     name: str
     fn: Path | None
     note: str  # why it is unavailable, or how it runs
+    schemes: tuple[Scheme, ...] = tuple(Scheme)  # the schemes this path implements
 
 
 def available_paths(device: torch.device) -> list[PathChoice]:
@@ -41,10 +42,10 @@ def available_paths(device: torch.device) -> list[PathChoice]:
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     if device.type == "cuda" or interpreting:
         try:
-            from .experts import fused_experts
+            from .experts import SUPPORTED, fused_experts
 
             note = "Triton interpreter (CPU)" if device.type == "cpu" else "Triton kernels"
-            paths.append(PathChoice("triton", fused_experts, note))
+            paths.append(PathChoice("triton", fused_experts, note, SUPPORTED))
         except ImportError as exc:  # triton missing, or the kernels not built in this install
             paths.append(PathChoice("triton", None, f"unavailable: {exc}"))
     else:
@@ -96,8 +97,9 @@ def run_scheme(model: str, scheme: Scheme, device: torch.device, ep: int, tokens
     for path in paths:
         row = {"path": path.name, "scheme": scheme.value, "shape": f"H{spec.hidden_size} I{spec.intermediate_size} "
                f"E{spec.num_experts} k{spec.top_k} T{tokens}", "ep": ep}
-        if path.fn is None:
-            rows.append({**row, "rel_err": float("nan"), "ms": float("nan"), "note": path.note})
+        if path.fn is None or scheme not in path.schemes:
+            note = path.note if path.fn is None else f"{scheme.value} not implemented by this path yet"
+            rows.append({**row, "rel_err": float("nan"), "ms": float("nan"), "note": note})
             continue
 
         def layer() -> torch.Tensor:

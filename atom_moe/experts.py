@@ -1,0 +1,169 @@
+"""The fused experts step on one GPU: routing metadata, GEMM1 (+SwiGLU, +fp8 quant), GEMM2 (+combine).
+
+Three Triton launches per call, no host sync, every buffer in a `Workspace` that the
+caller may allocate once (`allocate_workspace`) and pass in, so the forward is
+CUDA-graph capturable and the caller sees every allocation.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .formats import FP8_DTYPE
+from .spec import FP8_BLOCK, MoESpec, Scheme
+from .weights import PreparedWeights
+
+if TYPE_CHECKING:
+    from atom_moe.kernels.tuning import TileConfig
+
+SUPPORTED = (Scheme.BF16, Scheme.FP8)
+
+
+def _kernels():
+    # Imported lazily: the package imports without Triton; only this path needs it.
+    from atom_moe.kernels import gemm1, gemm2, routing, tuning
+    return routing, gemm1, gemm2, tuning
+
+
+@dataclass
+class Workspace:
+    """Every buffer the three kernels use, sized for up to `max_tokens` tokens."""
+
+    max_tokens: int
+    top_k: int
+    num_local: int
+    scheme: Scheme
+    sorted_ids: torch.Tensor  # int32 [rows]: pair id per padded row, num_pairs = padding
+    block_expert: torch.Tensor  # int32 [blocks]: local expert per row block, -1 = no work
+    cursor: torch.Tensor  # int32 [E_l]: routing scatter cursors
+    counters: torch.Tensor  # int32 [max_tokens * n_counters]: combine arrivals per (token, n-tile)
+    n_counters: int
+    partial: torch.Tensor  # fp32 [max_tokens * top_k, H]: weighted GEMM2 rows, combined in slot order
+    inter: torch.Tensor  # bf16 or e4m3 [rows, I]: GEMM2's input
+    inter_scale: torch.Tensor | None  # fp32 [rows, ceil(I/128)] (fp8)
+    x_q: torch.Tensor | None  # e4m3 [max_tokens, H] (fp8)
+    x_scale: torch.Tensor | None  # fp32 [max_tokens, ceil(H/128)] (fp8)
+
+    def check(self, spec: MoESpec, num_tokens: int) -> None:
+        """Raise ValueError unless this workspace fits `spec` and `num_tokens`."""
+        mine = (self.top_k, self.num_local, self.scheme, self.partial.shape[1], self.inter.shape[1])
+        theirs = (spec.top_k, spec.num_local_experts, spec.scheme, spec.hidden_size, spec.intermediate_size)
+        if mine != theirs:
+            raise ValueError(f"workspace (top_k, E_local, scheme, H, I) = {mine} does not match the spec {theirs}")
+        if num_tokens > self.max_tokens:
+            raise ValueError(f"{num_tokens} tokens exceed the workspace's max_tokens={self.max_tokens}; "
+                             f"allocate_workspace(spec, max_tokens>={num_tokens}, device)")
+
+
+def allocate_workspace(spec: MoESpec, max_tokens: int, device: torch.device | str) -> Workspace:
+    """Allocate (uninitialized) every buffer fused_experts needs for up to max_tokens tokens."""
+    routing, _, _, tuning = _kernels()
+    if spec.scheme not in SUPPORTED:
+        raise ValueError(f"fused_experts supports schemes {[s.value for s in SUPPORTED]}, got {spec.scheme.value}")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    H, I, k, E_l = spec.hidden_size, spec.intermediate_size, spec.top_k, spec.num_local_experts
+    pairs = max_tokens * k
+    rows = routing.max_blocks(pairs, E_l, tuning.MAX_BLOCK_M) * tuning.MAX_BLOCK_M
+    blocks = routing.max_blocks(pairs, E_l, tuning.MIN_BLOCK_M)
+    n_counters = -(-H // tuning.MIN_BLOCK_N2)
+    fp8 = spec.scheme is Scheme.FP8
+    i32 = dict(dtype=torch.int32, device=device)
+    return Workspace(
+        max_tokens=max_tokens, top_k=k, num_local=E_l, scheme=spec.scheme,
+        sorted_ids=torch.empty(rows, **i32), block_expert=torch.empty(blocks, **i32),
+        cursor=torch.empty(E_l, **i32), counters=torch.empty(max_tokens * n_counters, **i32),
+        n_counters=n_counters,
+        partial=torch.empty(pairs, H, dtype=torch.float32, device=device),
+        inter=torch.empty(rows, I, dtype=FP8_DTYPE if fp8 else torch.bfloat16, device=device),
+        inter_scale=torch.empty(rows, -(-I // FP8_BLOCK), dtype=torch.float32, device=device) if fp8 else None,
+        x_q=torch.empty(max_tokens, H, dtype=FP8_DTYPE, device=device) if fp8 else None,
+        x_scale=torch.empty(max_tokens, -(-H // FP8_BLOCK), dtype=torch.float32, device=device) if fp8 else None,
+    )
+
+
+_device_names: dict[tuple[str, int | None], str] = {}
+
+
+def device_name(device: torch.device) -> str:
+    """The name tuned tables use for `device` (e.g. 'NVIDIA H200'); 'cpu' off CUDA."""
+    key = (device.type, device.index)
+    if key not in _device_names:
+        _device_names[key] = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return _device_names[key]
+
+
+def _check_inputs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, spec: MoESpec) -> None:
+    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"fused_experts runs Triton kernels: x is on {x.device}; allowed: a CUDA device, "
+                         f"or any device under TRITON_INTERPRET=1 (the CPU interpreter)")
+    if x.dim() != 2 or x.shape[1] != spec.hidden_size:
+        raise ValueError(f"x must be [T, H={spec.hidden_size}], got {tuple(x.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x dtype {x.dtype} not supported; allowed: bfloat16, float16, float32")
+    if x.stride(1) != 1:
+        raise ValueError("x must have a contiguous last dim (stride(1) == 1)")
+    expect = (x.shape[0], spec.top_k)
+    if tuple(topk_ids.shape) != expect or tuple(topk_weights.shape) != expect:
+        raise ValueError(f"topk_ids and topk_weights must be [T, top_k] = {list(expect)}, got "
+                         f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids dtype {topk_ids.dtype} not supported; allowed: int32, int64")
+    if topk_weights.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"topk_weights dtype {topk_weights.dtype} not supported; allowed: float32, bfloat16, float16")
+    if not (topk_ids.is_contiguous() and topk_weights.is_contiguous()):
+        raise ValueError("topk_ids and topk_weights must be contiguous")
+    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x on {x.device}; they must share a device")
+
+
+def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, weights: PreparedWeights,
+                  spec: MoESpec, *, workspace: Workspace | None = None, config: TileConfig | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, H] in x.dtype: sum over top-k of weight * expert(x) for this rank's local experts.
+
+    `config` (a kernels.tuning.TileConfig) overrides the table lookup; `out` (optional,
+    [T, H] in x.dtype, last dim contiguous) receives the result.
+    """
+    if spec.scheme not in SUPPORTED:
+        raise ValueError(f"fused_experts supports schemes {[s.value for s in SUPPORTED]}, got {spec.scheme.value}")
+    weights.check(spec)
+    _check_inputs(x, topk_weights, topk_ids, spec)
+    routing, gemm1, gemm2, tuning = _kernels()
+    T, k, E_l = x.shape[0], spec.top_k, spec.num_local_experts
+    if out is None:
+        out = torch.empty(T, spec.hidden_size, dtype=x.dtype, device=x.device)
+    elif out.shape != x.shape or out.dtype != x.dtype or out.device != x.device or out.stride(1) != 1:
+        raise ValueError(f"out must be [T, H] = {list(x.shape)} {x.dtype} on {x.device} with a contiguous "
+                         f"last dim, got {list(out.shape)} {out.dtype} on {out.device}")
+    if T == 0:
+        return out
+    if weights.w2.device != x.device:
+        raise ValueError(f"weights are on {weights.w2.device}, x on {x.device}")
+    cfg = config if config is not None else tuning.lookup(
+        device_name(x.device), spec.scheme.value, spec.hidden_size, spec.intermediate_size, E_l, k, T)
+    cfg.check(spec.scheme.value)
+    ws = workspace if workspace is not None else allocate_workspace(spec, T, x.device)
+    ws.check(spec, T)
+    fp8 = spec.scheme is Scheme.FP8
+    n_blocks = routing.max_blocks(T * k, E_l, cfg.block_m)
+    routing.routing_metadata(topk_ids, weights.expert_map, E_l, cfg.block_m, ws.sorted_ids, ws.block_expert,
+                             ws.cursor, x, out, ws.counters, ws.n_counters,
+                             xq=ws.x_q if fp8 else None, xs=ws.x_scale if fp8 else None)
+    act = spec.activation
+    gemm1.gemm1(ws.x_q if fp8 else x, ws.x_scale, weights.w13, weights.w13_scale, weights.w13_bias,
+                ws.sorted_ids, ws.block_expert, n_blocks, k, ws.inter, ws.inter_scale,
+                oai=act.kind.value == "swiglu_oai", alpha=act.alpha, limit=act.limit,
+                block_m=cfg.block_m, block_n=cfg.block_n1, block_k=cfg.block_k1,
+                num_warps=cfg.warps1, num_stages=cfg.stages1, group_m=cfg.group_m)
+    gemm2.gemm2(ws.inter, ws.inter_scale, weights.w2, weights.w2_scale, weights.w2_bias,
+                ws.sorted_ids, ws.block_expert, n_blocks, topk_ids, weights.expert_map, topk_weights,
+                ws.partial, ws.counters, ws.n_counters, out,
+                block_m=cfg.block_m, block_n=cfg.block_n2, block_k=cfg.block_k2,
+                num_warps=cfg.warps2, num_stages=cfg.stages2, group_m=cfg.group_m)
+    return out

@@ -1,0 +1,59 @@
+"""Pieces shared by the kernels: constants, tile order, bf16 dot, rounding cast, interpreter switch."""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+# Kernel-visible constants must be tl.constexpr globals.
+FP8_MAX = tl.constexpr(448.0)  # largest finite e4m3
+QGROUP = tl.constexpr(128)  # activation quant group / weight block edge
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1: kernels then switch in workarounds for the interpreter's
+    wrong bf16 dot and bf16/e4m3 rounding (see `dot` and `cast`)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def tile_ids(n_blocks, n_tiles_n, GROUP_M: tl.constexpr):
+    """Grouped tile order: GROUP_M row blocks sweep all column tiles together, for L2 reuse."""
+    pid = tl.program_id(0)
+    per_group = GROUP_M * n_tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    size = tl.minimum(n_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size
+    pid_n = (pid % per_group) // size
+    return pid_m, pid_n
+
+
+@triton.jit
+def dot(a, b, acc, INTERP: tl.constexpr):
+    """acc + a @ b; INTERP (interpreter only) computes bf16 operands in fp32 (its bf16 dot is wrong)."""
+    if INTERP:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def cast(v, dtype: tl.constexpr, EMULATE: tl.constexpr):
+    """fp32 -> dtype, round to nearest even (e4m3 inputs must already be within +-448).
+
+    EMULATE (interpreter only): the interpreter's own casts truncate to bf16 and mis-round
+    e4m3 ties and binade carries, so round in fp32 first; the cast is then exact.
+    """
+    if EMULATE:
+        if dtype == tl.bfloat16:
+            bits = v.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            v = bits.to(tl.float32, bitcast=True)
+        elif dtype == tl.float8e4nv:
+            bits = v.to(tl.int32, bitcast=True)
+            exp = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # e4m3 subnormals share exponent -6
+            step = ((exp - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
+            magic = step * 12582912.0  # 1.5 * 2**23 * step: adding it rounds to a multiple of step
+            v = (v + magic) - magic
+    return v.to(dtype)

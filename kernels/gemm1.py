@@ -1,0 +1,119 @@
+"""GEMM1: grouped x @ w13^T over expert row blocks, SwiGLU in the epilogue, optional fp8 output.
+
+Token rows are read through the sorted pair list (no permuted copy of x). w13 rows are
+INTERLEAVED (row 2j = gate j, row 2j+1 = up j), so a tile of BLOCK_N rows holds BLOCK_N/2
+complete (gate, up) pairs and the activation runs in registers. For fp8 the tile spans
+exactly one 128-group of GEMM2's input (BLOCK_N = 256), so the epilogue also quantizes it
+per token-group-128: GEMM2 then streams e4m3 and needs no prologue work.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from atom_moe.layout import GateUpLayout, GateUpTensor, require
+
+from .common import FP8_MAX, QGROUP, cast, dot, interpreting, tile_ids
+
+GROUP = 128  # host-side twin of common.QGROUP
+
+
+@triton.jit
+def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, bias_ptr, sorted_ptr, block_expert_ptr,
+                  out_ptr, outs_ptr, num_pairs, top_k, hidden, inter, n_blocks, alpha, limit,
+                  FP8: tl.constexpr, OAI: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GROUP_M: tl.constexpr, INTERP: tl.constexpr):
+    n_out = 2 * inter
+    pid_m, pid_n = tile_ids(n_blocks, tl.cdiv(n_out, BLOCK_N), GROUP_M)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    e64 = expert.to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    row_ok = pair < num_pairs
+    tok = (pair // top_k).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < n_out
+    kk = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tok[:, None] * stride_x + kk[None, :]
+    w_ptrs = w_ptr + e64 * n_out * hidden + n[None, :].to(tl.int64) * hidden + kk[:, None]
+    if FP8:
+        k_groups = tl.cdiv(hidden, QGROUP)
+        as_ptrs = xs_ptr + tok * k_groups
+        # output pair j = n // 2 uses scale [e, j // 128, n % 2, kb]
+        ws_ptrs = ws_ptr + e64 * (tl.cdiv(inter, QGROUP) * 2 * k_groups) \
+            + (n // 2 // QGROUP) * (2 * k_groups) + (n % 2) * k_groups
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_ok = (k0 + kk) < hidden
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if FP8:
+            kb = k0 // QGROUP
+            a_s = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
+            w_s = tl.load(ws_ptrs + kb, mask=n_ok, other=0.0)
+            acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+        else:
+            if x_ptr.dtype.element_ty != tl.bfloat16:  # the bf16 scheme computes in bf16
+                a = cast(a.to(tl.float32), tl.bfloat16, INTERP)
+            acc = dot(a, w, acc, INTERP)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + e64 * n_out + n, mask=n_ok, other=0.0)[None, :]
+    gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
+    if OAI:
+        gate = tl.minimum(gate, limit)
+        up = tl.clamp(up, -limit, limit)
+        act = gate * tl.sigmoid(alpha * gate) * (up + 1.0)
+    else:
+        act = gate * tl.sigmoid(gate) * up
+    j = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    j_ok = j < inter
+    act = tl.where(j_ok[None, :], act, 0.0)
+    rows64 = rows.to(tl.int64)
+    o_mask = row_ok[:, None] & j_ok[None, :]
+    o_ptrs = out_ptr + rows64[:, None] * inter + j[None, :]
+    if FP8:
+        # BLOCK_N // 2 == QGROUP: this tile holds the whole group pid_n of each row
+        amax = tl.max(tl.abs(act), 1)
+        scale = tl.where(amax > 0, amax / FP8_MAX, 1.0)
+        q = tl.clamp(act / scale[:, None], -FP8_MAX, FP8_MAX)
+        tl.store(o_ptrs, cast(q, out_ptr.dtype.element_ty, INTERP), mask=o_mask)
+        tl.store(outs_ptr + rows64 * tl.cdiv(inter, QGROUP) + pid_n, scale, mask=row_ok)
+    else:
+        tl.store(o_ptrs, cast(act, out_ptr.dtype.element_ty, INTERP), mask=o_mask)
+
+
+def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w13_scale_t: GateUpTensor | None,
+          w13_bias_t: GateUpTensor | None, sorted_ids: torch.Tensor, block_expert: torch.Tensor, n_blocks: int,
+          top_k: int, out: torch.Tensor, out_scale: torch.Tensor | None, *, oai: bool, alpha: float,
+          limit: float, block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
+          group_m: int = 8) -> None:
+    """out[row, :I] = act(x[token(row)] @ w13[expert(row)]^T (+bias)), fp8-quantized when out_scale is given."""
+    # The pairing of gate and up rows is checked, never assumed: a mispaired layout runs fine
+    # and silently ruins accuracy.
+    w13 = require(w13_t, GateUpLayout.INTERLEAVED, "w13")
+    w13_scale = None if w13_scale_t is None else require(w13_scale_t, GateUpLayout.INTERLEAVED, "w13_scale")
+    w13_bias = None if w13_bias_t is None else require(w13_bias_t, GateUpLayout.INTERLEAVED, "w13_bias")
+    fp8 = w13_scale is not None
+    num_tokens, hidden = x.shape
+    inter = w13.shape[1] // 2
+    if fp8 and (block_n != 2 * GROUP or block_k != GROUP):
+        raise ValueError(f"fp8 GEMM1 needs block_n=256 and block_k=128 (one 128-group per tile), "
+                         f"got block_n={block_n}, block_k={block_k}")
+    if block_n % 2:
+        raise ValueError(f"GEMM1 block_n must be even (gate/up pairs), got {block_n}")
+    grid = (n_blocks * triton.cdiv(2 * inter, block_n),)
+    _gemm1_kernel[grid](
+        x, x.stride(0), x_scale if fp8 else x, w13, w13_scale if fp8 else w13,
+        w13_bias if w13_bias is not None else w13, sorted_ids, block_expert,
+        out, out_scale if fp8 else out, num_tokens * top_k, top_k, hidden, inter, n_blocks,
+        float(alpha), float(limit),
+        FP8=fp8, OAI=oai, HAS_BIAS=w13_bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        GROUP_M=group_m, INTERP=interpreting(), num_warps=num_warps, num_stages=num_stages,
+    )

@@ -1,0 +1,117 @@
+"""GEMM2: grouped act @ w2^T over expert row blocks, routing weight and top-k combine in the epilogue.
+
+Combine choice: deterministic, in one launch. Each tile writes its rows' weighted fp32
+partials to partial[pair, n-tile] and bumps a per-(token, n-tile) counter; the program
+that brings a token's counter to its number of local slots sums that token's partials
+in slot order 0..k-1 and writes out[token, n-tile]. The result is bitwise independent
+of the programs' finishing order (float atomics would not be), and needs no zeroed
+output: the routing launch zeroes the counters, so the layer stays at three launches.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import QGROUP, cast, dot, interpreting, tile_ids
+
+GROUP = 128  # host-side twin of common.QGROUP
+
+
+@triton.jit
+def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, sorted_ptr, block_expert_ptr,
+                  ids_ptr, emap_ptr, topk_w_ptr, partial_ptr, counters_ptr, n_counters, out_ptr, stride_out,
+                  num_pairs, num_experts, hidden, inter, n_blocks,
+                  FP8: tl.constexpr, HAS_BIAS: tl.constexpr, TOPK: tl.constexpr, KP2: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GROUP_M: tl.constexpr, INTERP: tl.constexpr):
+    pid_m, pid_n = tile_ids(n_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    e64 = expert.to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows64 = rows.to(tl.int64)
+    pair = tl.load(sorted_ptr + rows)
+    row_ok = pair < num_pairs
+    pair64 = pair.to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < hidden
+    kk = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows64[:, None] * inter + kk[None, :]
+    w_ptrs = w_ptr + e64 * hidden * inter + n[None, :].to(tl.int64) * inter + kk[:, None]
+    if FP8:
+        k_groups = tl.cdiv(inter, QGROUP)
+        as_ptrs = as_ptr + rows64 * k_groups
+        ws_ptrs = ws_ptr + e64 * (tl.cdiv(hidden, QGROUP) * k_groups) + (n // QGROUP) * k_groups
+    # Which of this token's slots are local (read before the K loop so the latency hides):
+    # their count is the counter value that completes the token.
+    tok = pair64 // TOPK
+    j = tl.arange(0, KP2)
+    slot_ok = row_ok[:, None] & (j[None, :] < TOPK)
+    gid = tl.load(ids_ptr + tok[:, None] * TOPK + j[None, :], mask=slot_ok, other=-1).to(tl.int32)
+    slot_ok = slot_ok & (gid >= 0) & (gid < num_experts)
+    slot_ok = slot_ok & (tl.load(emap_ptr + gid, mask=slot_ok, other=-1) >= 0)
+    needed = tl.sum(slot_ok.to(tl.int32), 1)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k_ok = (k0 + kk) < inter
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if FP8:
+            kb = k0 // QGROUP
+            a_s = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
+            w_s = tl.load(ws_ptrs + kb, mask=n_ok, other=0.0)
+            acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+        else:
+            acc = dot(a, w, acc, INTERP)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + e64 * hidden + n, mask=n_ok, other=0.0)[None, :]
+    weight = tl.load(topk_w_ptr + pair64, mask=row_ok, other=0.0).to(tl.float32)
+    acc = acc * weight[:, None]
+    tile_mask = row_ok[:, None] & n_ok[None, :]
+    tl.store(partial_ptr + pair64[:, None] * hidden + n[None, :], acc, mask=tile_mask)
+
+    tl.debug_barrier()  # every thread's partial stores precede the release below
+    seen = tl.atomic_add(counters_ptr + tok * n_counters + pid_n, tl.full([BLOCK_M], 1, tl.int32),
+                         mask=row_ok, sem="acq_rel", scope="gpu")
+    last = row_ok & (seen == needed - 1)
+    if tl.sum(last.to(tl.int32), 0) > 0:
+        tl.debug_barrier()  # the acquire above precedes every thread's partial loads
+        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        # Not unrolled: k live [BLOCK_M, BLOCK_N] tiles would spill. Validity comes from
+        # slot_ok (registers), so each step is a single load.
+        for s in range(0, TOPK):
+            ok = last & (tl.sum(tl.where(j[None, :] == s, slot_ok, False).to(tl.int32), 1) > 0)
+            p_ptrs = partial_ptr + (tok * TOPK + s)[:, None] * hidden + n[None, :]
+            total += tl.load(p_ptrs, mask=ok[:, None] & n_ok[None, :], other=0.0, cache_modifier=".cg")
+        tl.store(out_ptr + tok[:, None] * stride_out + n[None, :], cast(total, out_ptr.dtype.element_ty, INTERP),
+                 mask=last[:, None] & n_ok[None, :])
+
+
+def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_scale: torch.Tensor | None,
+          w2_bias: torch.Tensor | None, sorted_ids: torch.Tensor, block_expert: torch.Tensor, n_blocks: int,
+          topk_ids: torch.Tensor, expert_map: torch.Tensor, topk_weights: torch.Tensor,
+          partial: torch.Tensor, counters: torch.Tensor, n_counters: int, out: torch.Tensor, *,
+          block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int, group_m: int = 8) -> None:
+    """out[t] = sum_k w[t,k] * (act[row(t,k)] @ w2[e]^T (+bias)), deterministic combine."""
+    fp8 = w2_scale is not None
+    num_tokens, top_k = topk_ids.shape
+    hidden, inter = w2.shape[1], w2.shape[2]
+    if fp8 and block_k != GROUP:
+        raise ValueError(f"fp8 GEMM2 needs block_k=128 (one activation group per step), got {block_k}")
+    if triton.cdiv(hidden, block_n) > n_counters:
+        raise ValueError(f"GEMM2 block_n={block_n} needs {triton.cdiv(hidden, block_n)} counters per token, "
+                         f"the workspace has {n_counters}")
+    grid = (n_blocks * triton.cdiv(hidden, block_n),)
+    _gemm2_kernel[grid](
+        a, a_scale if fp8 else a, w2, w2_scale if fp8 else w2, w2_bias if w2_bias is not None else w2,
+        sorted_ids, block_expert, topk_ids, expert_map, topk_weights, partial, counters, n_counters,
+        out, out.stride(0), num_tokens * top_k, expert_map.shape[0], hidden, inter, n_blocks,
+        FP8=fp8, HAS_BIAS=w2_bias is not None, TOPK=top_k, KP2=triton.next_power_of_2(top_k),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, INTERP=interpreting(),
+        num_warps=num_warps, num_stages=num_stages,
+    )

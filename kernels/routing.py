@@ -1,0 +1,168 @@
+"""Routing metadata: sort (token, slot) pairs by local expert, padded per expert to BLOCK_M.
+
+One launch does all the per-call preparation the GEMMs need, so the layer stays at three
+launches (this, GEMM1, GEMM2):
+  program 0      : counts pairs per local expert, writes the padded sorted pair list and
+                   the per-block expert table (-1 = no work);
+  programs 1..   : one per (token, 1024-column chunk): zero the token's GEMM2 combine
+                   counters, zero its output columns when no slot is local (nobody else
+                   would write them), and for fp8 quantize its input per group of 128
+                   (so GEMM1 streams e4m3). Chunks keep this at one memory round trip.
+Sizes are static functions of (T, top_k, E_l, BLOCK_M), so the launch is graph-capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import FP8_MAX, cast, interpreting
+
+
+def max_blocks(num_pairs: int, num_local: int, block_m: int) -> int:
+    """Upper bound on the padded block count: each non-empty expert wastes < 1 block."""
+    return num_pairs // block_m + min(num_local, num_pairs)
+
+
+@triton.jit
+def _local_expert(ids_ptr, emap_ptr, pair, mask, num_experts):
+    """Local expert of each pair, -1 for sentinels (outside [0, E)) and non-local experts."""
+    gid = tl.load(ids_ptr + pair, mask=mask, other=-1).to(tl.int32)
+    ok = mask & (gid >= 0) & (gid < num_experts)
+    loc = tl.load(emap_ptr + gid, mask=ok, other=-1)
+    return tl.where(ok, loc, -1)
+
+
+@triton.jit
+def _sort_program(ids_ptr, emap_ptr, sorted_ptr, block_expert_ptr, cursor_ptr,
+                  num_pairs, num_experts, num_local, n_rows, n_blocks,
+                  BLOCK_M: tl.constexpr, NB: tl.constexpr, CHUNK: tl.constexpr, BB: tl.constexpr):
+    # Pass 1: histogram of local experts; bin num_local collects every pair that does no work.
+    counts = tl.zeros([NB], dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        pair = start + tl.arange(0, CHUNK)
+        inb = pair < num_pairs
+        loc = _local_expert(ids_ptr, emap_ptr, pair, inb, num_experts)
+        counts += tl.histogram(tl.where(loc >= 0, loc, num_local), NB)
+    # Pass 2: padded per-expert row ranges (exclusive prefix sum); cursors start at each range.
+    e = tl.arange(0, NB)
+    counts = tl.where(e < num_local, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    row_end = tl.cumsum(padded, 0)
+    row_start = row_end - padded
+    tl.store(cursor_ptr + e, row_start, mask=e < num_local)
+    # Every row starts as padding (pair id num_pairs); pass 3 overwrites the real ones.
+    for start in range(0, n_rows, CHUNK):
+        r = start + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + r, tl.zeros([CHUNK], dtype=tl.int32) + num_pairs, mask=r < n_rows)
+    # Block b belongs to the expert whose block range holds it: the count of experts ending
+    # at or before b (empty experts end where the previous one did, so they count too).
+    blk_end = row_end // BLOCK_M
+    total_blocks = tl.sum(padded, 0) // BLOCK_M
+    for start in range(0, n_blocks, BB):
+        b = start + tl.arange(0, BB)
+        ended = (blk_end[None, :] <= b[:, None]) & (e[None, :] < num_local)
+        owner = tl.sum(ended.to(tl.int32), 1)
+        owner = tl.where(b < total_blocks, owner, -1)
+        tl.store(block_expert_ptr + b, owner, mask=b < n_blocks)
+    tl.debug_barrier()  # cursor and padding stores before the scatter below
+    # Pass 3: scatter. The order inside an expert's rows is arrival order; it does not
+    # change any result bit (each GEMM row is computed on its own, the combine sums in
+    # slot order).
+    for start in range(0, num_pairs, CHUNK):
+        pair = start + tl.arange(0, CHUNK)
+        inb = pair < num_pairs
+        loc = _local_expert(ids_ptr, emap_ptr, pair, inb, num_experts)
+        work = loc >= 0
+        pos = tl.atomic_add(cursor_ptr + loc, tl.full([CHUNK], 1, tl.int32), mask=work)
+        tl.store(sorted_ptr + pos, pair.to(tl.int32), mask=work)
+
+
+@triton.jit
+def _token_program(t, chunk, ids_ptr, emap_ptr, x_ptr, stride_x, xq_ptr, xs_ptr, out_ptr, stride_out,
+                   counters_ptr, n_counters, num_experts, hidden,
+                   TOPK: tl.constexpr, KP2: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
+                   GPC: tl.constexpr, CCHUNK: tl.constexpr, EMULATE: tl.constexpr):
+    # One [GPC, GROUP] column chunk of one token: a single round trip, no serial loop over H.
+    t64 = t.to(tl.int64)
+    if chunk == 0:
+        for start in range(0, n_counters, CCHUNK):
+            c = start + tl.arange(0, CCHUNK)
+            tl.store(counters_ptr + t64 * n_counters + c, tl.zeros([CCHUNK], dtype=tl.int32), mask=c < n_counters)
+    j = tl.arange(0, KP2)
+    loc = _local_expert(ids_ptr, emap_ptr, t64 * TOPK + j, j < TOPK, num_experts)
+    n_local = tl.sum((loc >= 0).to(tl.int32), 0)
+    g = chunk * GPC + tl.arange(0, GPC)
+    k = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    km = k < hidden
+    if n_local == 0:
+        tl.store(out_ptr + t64 * stride_out + k, tl.zeros([GPC, GROUP], dtype=out_ptr.dtype.element_ty), mask=km)
+    if QUANT:
+        v = tl.load(x_ptr + t64 * stride_x + k, mask=km, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(v), 1)
+        scale = tl.where(amax > 0, amax / FP8_MAX, 1.0)
+        q = tl.clamp(v / scale[:, None], -FP8_MAX, FP8_MAX)
+        tl.store(xq_ptr + t64 * hidden + k, cast(q, xq_ptr.dtype.element_ty, EMULATE), mask=km)
+        n_groups = tl.cdiv(hidden, GROUP)
+        tl.store(xs_ptr + t64 * n_groups + g, scale, mask=g < n_groups)
+
+
+@triton.jit
+def _routing_kernel(ids_ptr, emap_ptr, sorted_ptr, block_expert_ptr, cursor_ptr,
+                    x_ptr, stride_x, xq_ptr, xs_ptr, out_ptr, stride_out, counters_ptr, n_counters,
+                    num_pairs, num_experts, num_local, n_rows, n_blocks, hidden, n_chunks,
+                    BLOCK_M: tl.constexpr, NB: tl.constexpr, CHUNK: tl.constexpr, BB: tl.constexpr,
+                    TOPK: tl.constexpr, KP2: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
+                    GPC: tl.constexpr, EMULATE: tl.constexpr):
+    pid = tl.program_id(0)
+    if pid == 0:
+        _sort_program(ids_ptr, emap_ptr, sorted_ptr, block_expert_ptr, cursor_ptr,
+                      num_pairs, num_experts, num_local, n_rows, n_blocks, BLOCK_M, NB, CHUNK, BB)
+    else:
+        _token_program((pid - 1) // n_chunks, (pid - 1) % n_chunks, ids_ptr, emap_ptr, x_ptr, stride_x,
+                       xq_ptr, xs_ptr, out_ptr, stride_out, counters_ptr, n_counters, num_experts, hidden,
+                       TOPK, KP2, QUANT, GROUP, GPC, 256, EMULATE)
+
+
+def routing_metadata(topk_ids: torch.Tensor, expert_map: torch.Tensor, num_local: int, block_m: int,
+                     sorted_ids: torch.Tensor, block_expert: torch.Tensor, cursor: torch.Tensor,
+                     x: torch.Tensor, out: torch.Tensor, counters: torch.Tensor, n_counters: int,
+                     xq: torch.Tensor | None = None, xs: torch.Tensor | None = None) -> None:
+    """Fill sorted_ids / block_expert, zero counters and empty output rows, quantize x if xq given."""
+    num_tokens, top_k = topk_ids.shape
+    num_pairs = num_tokens * top_k
+    n_blocks = max_blocks(num_pairs, num_local, block_m)
+    quant = xq is not None
+    gpc = 8  # groups of 128 per token program: 1024 columns
+    n_chunks = triton.cdiv(x.shape[1], gpc * 128)
+    _routing_kernel[(1 + num_tokens * n_chunks,)](
+        topk_ids, expert_map, sorted_ids, block_expert, cursor,
+        x, x.stride(0), xq if quant else x, xs if quant else x, out, out.stride(0), counters, n_counters,
+        num_pairs, expert_map.shape[0], num_local, n_blocks * block_m, n_blocks, x.shape[1], n_chunks,
+        BLOCK_M=block_m, NB=triton.next_power_of_2(num_local + 1), CHUNK=1024, BB=16,
+        TOPK=top_k, KP2=triton.next_power_of_2(top_k), QUANT=quant, GROUP=128, GPC=gpc,
+        EMULATE=interpreting(), num_warps=8,
+    )
+
+
+def routing_metadata_torch(topk_ids: torch.Tensor, expert_map: torch.Tensor, num_local: int,
+                           block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch twin: (sorted pair ids with padding = num_pairs, block expert ids with -1), stable order."""
+    num_pairs = topk_ids.numel()
+    flat = topk_ids.reshape(-1).long()
+    valid = (flat >= 0) & (flat < expert_map.shape[0])
+    loc = torch.where(valid, expert_map[flat.clamp(0, expert_map.shape[0] - 1)].long(), -1)
+    n_blocks = max_blocks(num_pairs, num_local, block_m)
+    sorted_ids = torch.full((n_blocks * block_m,), num_pairs, dtype=torch.int32)
+    block_expert = torch.full((n_blocks,), -1, dtype=torch.int32)
+    row, blk = 0, 0
+    for e in range(num_local):
+        pairs = (loc == e).nonzero().flatten()
+        if pairs.numel() == 0:
+            continue
+        sorted_ids[row:row + pairs.numel()] = pairs.to(torch.int32)
+        nb = -(-pairs.numel() // block_m)
+        block_expert[blk:blk + nb] = e
+        row, blk = row + nb * block_m, blk + nb
+    return sorted_ids, block_expert

@@ -1,0 +1,158 @@
+"""Tile configs: tuned CSV tables (kernels/configs/*.csv plus override dirs), else a heuristic.
+
+A row's key is (device, scheme, H, I, E, top_k) and a token bucket; the lookup takes the
+row of the nearest bucket (in log2 tokens) for the exact key. CSVs in the directories
+named by ATOM_FLYDSL_KERNELS_PATH or ATOM_MOE_CONFIG_DIR (os.pathsep-separated) take
+precedence over the shipped ones. Without a row the heuristic answers, logged once per shape.
+Caches are keyed on plain values (paths, shapes), never on tensors.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+log = logging.getLogger("atom_moe.kernels")
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+ENV_VARS = ("ATOM_FLYDSL_KERNELS_PATH", "ATOM_MOE_CONFIG_DIR")
+KEY_COLUMNS = ("device", "scheme", "H", "I", "E", "top_k", "tokens")
+CONFIG_COLUMNS = ("block_m", "block_n1", "block_k1", "warps1", "stages1",
+                  "block_n2", "block_k2", "warps2", "stages2", "group_m")
+COLUMNS = KEY_COLUMNS + CONFIG_COLUMNS + ("us",)
+
+
+class ConfigError(ValueError):
+    """A malformed tile-config table or an invalid tile config."""
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tiles and launch shape of the three kernels (BLOCK_M is shared: it pads the routing)."""
+
+    block_m: int
+    block_n1: int
+    block_k1: int
+    warps1: int
+    stages1: int
+    block_n2: int
+    block_k2: int
+    warps2: int
+    stages2: int
+    group_m: int = 8
+
+    def check(self, scheme: str) -> None:
+        """Raise ConfigError unless the kernels accept this config for `scheme`."""
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"tile config {f.name} must be a positive int, got {v!r}")
+        for name in ("block_m", "block_n1", "block_k1", "block_n2", "block_k2"):
+            v = getattr(self, name)
+            if v & (v - 1) or v < 16:
+                raise ConfigError(f"tile config {name}={v}: allowed powers of two >= 16")
+        if self.block_m > MAX_BLOCK_M:
+            raise ConfigError(f"block_m={self.block_m} exceeds the workspace bound {MAX_BLOCK_M}")
+        if self.block_n2 < MIN_BLOCK_N2:
+            raise ConfigError(f"block_n2={self.block_n2} is below {MIN_BLOCK_N2} (combine counters per token)")
+        if scheme == "fp8" and (self.block_n1, self.block_k1, self.block_k2) != (256, 128, 128):
+            raise ConfigError(f"fp8 needs block_n1=256, block_k1=128, block_k2=128 (whole 128-groups), got "
+                              f"{self.block_n1}, {self.block_k1}, {self.block_k2}")
+
+
+MAX_BLOCK_M = 128  # the workspace is sized for the largest BLOCK_M
+MIN_BLOCK_M = 16
+MIN_BLOCK_N2 = 32
+
+_tables: dict[tuple[str, ...], list[list[dict]]] = {}
+_warned: set[tuple] = set()
+
+
+def clear_cache() -> None:
+    """Forget loaded tables and logged shapes (tests, or after editing CSVs)."""
+    _tables.clear()
+    _warned.clear()
+
+
+def override_dirs() -> tuple[str, ...]:
+    """Directories named by the override env vars, in precedence order."""
+    out: list[str] = []
+    for var in ENV_VARS:
+        out += [d for d in os.environ.get(var, "").split(os.pathsep) if d]
+    return tuple(out)
+
+
+def _read_csv(path: Path) -> list[dict]:
+    rows = []
+    with open(path, newline="") as fh:
+        reader = csv.DictReader(fh)
+        missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
+        if missing:
+            raise ConfigError(f"{path}: missing columns {missing}; expected {','.join(COLUMNS)}")
+        for line, raw in enumerate(reader, start=2):
+            try:
+                row = {"device": raw["device"].strip().lower(), "scheme": raw["scheme"].strip().lower()}
+                for c in KEY_COLUMNS[2:] + CONFIG_COLUMNS:
+                    row[c] = int(raw[c])
+                row["us"] = float(raw["us"]) if raw["us"].strip() else math.nan
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"{path}:{line}: bad value ({exc}); columns: {','.join(COLUMNS)}") from None
+            rows.append(row)
+    return rows
+
+
+def _load(dirs: tuple[str, ...]) -> list[list[dict]]:
+    """Rows grouped by source, highest precedence first."""
+    if dirs not in _tables:
+        groups = []
+        for d in dirs:
+            path = Path(d)
+            if not path.is_dir():
+                raise ConfigError(f"config dir {d!r} (from {' or '.join(ENV_VARS)}) is not a directory")
+            groups.append([r for f in sorted(path.glob("*.csv")) for r in _read_csv(f)])
+        groups.append([r for f in sorted(CONFIG_DIR.glob("*.csv")) for r in _read_csv(f)])
+        _tables[dirs] = groups
+    return _tables[dirs]
+
+
+def heuristic(scheme: str, hidden: int, inter: int, num_experts: int, top_k: int, tokens: int) -> TileConfig:
+    """A config from the shape alone: BLOCK_M follows the rows per expert; tiles are the ones
+    that won most often in the H200 tuning (kernels/configs/nvidia_h200.csv)."""
+    rows = tokens * top_k / max(1, num_experts)  # rows per expert under uniform routing
+    bm = 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 128 else 128
+    if scheme == "fp8":  # BLOCK_M 128 with a 256-wide fp32 tile spills: cap at 64
+        if bm <= 32:
+            return TileConfig(bm, 256, 128, 4, 4, 128, 128, 4, 4)
+        return TileConfig(64, 256, 128, 8, 3, 128, 128, 8, 3)
+    if bm == 16:
+        return TileConfig(16, 128, 128, 4, 3, 128, 128, 4, 3)
+    if bm <= 64:
+        return TileConfig(bm, 128, 64, 4, 4, 128, 64, 4, 4)
+    return TileConfig(128, 256, 64, 8, 3, 256, 64, 8, 3)
+
+
+def lookup(device: str, scheme: str, hidden: int, inter: int, num_experts: int, top_k: int,
+           tokens: int) -> TileConfig:
+    """Tuned config of the nearest token bucket for this exact shape, else the heuristic (logged once)."""
+    device, scheme = device.strip().lower(), scheme.lower()
+    key = (device, scheme, hidden, inter, num_experts, top_k)
+    for group in _load(override_dirs()):
+        rows = [r for r in group if (r["device"], r["scheme"], r["H"], r["I"], r["E"], r["top_k"]) == key]
+        if rows:
+            best = min(rows, key=lambda r: (abs(math.log2(r["tokens"]) - math.log2(max(tokens, 1))), r["tokens"]))
+            cfg = TileConfig(**{c: best[c] for c in CONFIG_COLUMNS})
+            cfg.check(scheme)
+            return cfg
+    if key not in _warned:
+        _warned.add(key)
+        log.warning("no tuned config for %s, using heuristic", _describe(key))
+    return heuristic(scheme, hidden, inter, num_experts, top_k, tokens)
+
+
+def _describe(key: tuple) -> str:
+    device, scheme, hidden, inter, num_experts, top_k = key
+    return f"device={device} scheme={scheme} H={hidden} I={inter} E={num_experts} top_k={top_k}"

@@ -1,0 +1,120 @@
+"""The fused experts path on a GPU: real shapes, int64 offsets, CUDA graphs, no syncs, 3 launches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_cases import make_layer, make_routing, reference, rel_err
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = [  # (name, H, I, local experts E, top_k, activation, bias)
+    ("deepseek-v3-dims", 7168, 2048, 8, 4, "swiglu", False),
+    ("gpt-oss-dims", 2880, 2880, 6, 4, "oai", True),
+]
+
+
+def _fused():
+    from atom_moe.experts import allocate_workspace, fused_experts
+    return allocate_workspace, fused_experts
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s[0])
+def test_real_shapes(seed, scheme, shape):
+    allocate_workspace, fused_experts = _fused()
+    _, H, I, E, k, act, bias = shape
+    spec, p = make_layer(H, I, E, k, scheme, oai=act == "oai", bias=bias, device="cuda")
+    ws = allocate_workspace(spec, 300, "cuda")
+    for T, mode in ((1, "random"), (7, "sentinels"), (300, "one_expert"), (300, "random")):
+        w, ids = make_routing(T, E, k, mode=mode, device="cuda")
+        x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+        out = torch.full((T, H), float("nan"), device="cuda", dtype=torch.bfloat16)
+        got = fused_experts(x, w, ids, p, spec, workspace=ws, out=out)
+        err_q = rel_err(got, reference(x, w, ids, spec, p, act_quant=scheme == "fp8"))
+        assert err_q <= 1e-2, (T, mode, err_q)
+        if scheme == "fp8":
+            assert rel_err(got, reference(x, w, ids, spec, p, act_quant=False)) <= 5e-2
+
+
+def test_deterministic_combine(seed):
+    allocate_workspace, fused_experts = _fused()
+    spec, p = make_layer(2048, 512, 16, 8, "bf16", device="cuda")
+    w, ids = make_routing(200, 16, 8, device="cuda")
+    x = torch.randn(200, 2048, device="cuda").to(torch.bfloat16)
+    first = fused_experts(x, w, ids, p, spec)
+    for _ in range(20):
+        assert torch.equal(fused_experts(x, w, ids, p, spec), first)
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+def test_int64_offsets(seed, scheme):
+    # w13 holds > 2**31 elements: expert e's rows start past 2**31 for the high experts
+    from atom_moe.experts_torch import experts_torch
+    from atom_moe.spec import MoESpec
+    from atom_moe.weights import prepare_stacked
+    _, fused_experts = _fused()
+    H, I, E, k = 4096, 2048, 140, 2
+    assert E * 2 * I * H > 2**31
+    spec = MoESpec(hidden_size=H, intermediate_size=I, num_experts=E, top_k=k, scheme=scheme)
+    w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * (2.0 / H ** 0.5)
+    w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) / I ** 0.5
+    p = prepare_stacked(spec, w13, w2, layout="separated", device="cuda")
+    del w13, w2
+    T = 33
+    ids = torch.stack([torch.randperm(8)[:k] + E - 8 for _ in range(T)]).to(torch.int32).cuda()
+    ids[:, 0] = torch.randint(0, E, (T,), dtype=torch.int32).cuda()
+    w = torch.rand(T, k, device="cuda")
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    got = fused_experts(x, w, ids, p, spec)
+    assert rel_err(got, experts_torch(x, w, ids, p, spec)) <= 1e-2
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+def test_cuda_graph_replay_with_new_routing(seed, scheme):
+    allocate_workspace, fused_experts = _fused()
+    from atom_moe.experts_torch import experts_torch
+    spec, p = make_layer(1024, 384, 8, 4, scheme, device="cuda")
+    T = 40
+    ws = allocate_workspace(spec, T, "cuda")
+    w, ids = make_routing(T, 8, 4, device="cuda")
+    x = torch.randn(T, 1024, device="cuda").to(torch.bfloat16)
+    out = torch.empty(T, 1024, device="cuda", dtype=torch.bfloat16)
+    fused_experts(x, w, ids, p, spec, workspace=ws, out=out)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_experts(x, w, ids, p, spec, workspace=ws, out=out)
+    for mode in ("random", "sentinels", "one_expert", "random"):
+        nw, nids = make_routing(T, 8, 4, mode=mode, device="cuda")
+        w.copy_(nw)
+        ids.copy_(nids)
+        x.copy_(torch.randn(T, 1024, device="cuda"))
+        out.fill_(float("nan"))
+        graph.replay()
+        assert rel_err(out, experts_torch(x, w, ids, p, spec)) <= 1e-2, mode
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+def test_no_host_sync_and_three_launches(seed, scheme):
+    allocate_workspace, fused_experts = _fused()
+    spec, p = make_layer(1024, 384, 8, 4, scheme, device="cuda")
+    ws = allocate_workspace(spec, 1, "cuda")
+    w, ids = make_routing(1, 8, 4, device="cuda")
+    x = torch.randn(1, 1024, device="cuda").to(torch.bfloat16)
+    fused_experts(x, w, ids, p, spec, workspace=ws)  # compile first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fused_experts(x, w, ids, p, spec, workspace=ws)
+        fused_experts(x, w, ids, p, spec)  # allocating its own workspace is sync-free too
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fused_experts(x, w, ids, p, spec, workspace=ws)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert 1 <= len(kernels) <= 3, kernels

@@ -1,0 +1,91 @@
+"""Tile-config tables: lookup, nearest bucket, override dirs, heuristic logged once."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from atom_moe.kernels import tuning
+
+HEADER = ",".join(tuning.COLUMNS)
+
+
+def _row(device, scheme, H, I, E, k, tokens, block_m, us=1.0, n1=128):
+    k1 = 128 if scheme == "fp8" else 64
+    return f"{device},{scheme},{H},{I},{E},{k},{tokens},{block_m},{n1},{k1},4,3,128,{k1},4,3,8,{us}"
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+    for var in tuning.ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    tuning.clear_cache()
+    yield
+    tuning.clear_cache()
+
+
+def _write(path, rows):
+    path.write_text("\n".join([HEADER, *rows]) + "\n")
+
+
+def test_nearest_bucket_and_override_precedence(tmp_path, monkeypatch):
+    _write(tmp_path / "a.csv", [_row("Test GPU", "bf16", 512, 256, 16, 4, t, bm) for t, bm in
+                                ((1, 16), (64, 32), (1024, 128))])
+    monkeypatch.setenv("ATOM_FLYDSL_KERNELS_PATH", str(tmp_path))
+    look = lambda T: tuning.lookup("test gpu", "bf16", 512, 256, 16, 4, T)  # noqa: E731
+    assert [look(T).block_m for T in (1, 3, 8, 10, 64, 200, 300, 9000)] == [16, 16, 16, 32, 32, 32, 128, 128]  # ties go to the smaller bucket
+    # a second dir via the alias takes precedence over the shipped tables but not over the first var
+    other = tmp_path / "b"
+    other.mkdir()
+    _write(other / "b.csv", [_row("test gpu", "bf16", 512, 256, 16, 4, 64, 64)])
+    monkeypatch.setenv("ATOM_MOE_CONFIG_DIR", str(other))
+    tuning.clear_cache()
+    assert look(64).block_m == 32
+    monkeypatch.delenv("ATOM_FLYDSL_KERNELS_PATH")
+    assert look(64).block_m == 64
+
+
+def test_heuristic_logs_once_per_shape(caplog):
+    with caplog.at_level(logging.WARNING, logger="atom_moe.kernels"):
+        a = tuning.lookup("nowhere", "fp8", 1000, 300, 7, 3, 5)
+        tuning.lookup("nowhere", "fp8", 1000, 300, 7, 3, 500)
+        tuning.lookup("nowhere", "bf16", 1000, 300, 7, 3, 5)
+    msgs = [r.getMessage() for r in caplog.records if "no tuned config" in r.getMessage()]
+    assert len(msgs) == 2 and "H=1000 I=300 E=7 top_k=3" in msgs[0], msgs
+    assert a == tuning.heuristic("fp8", 1000, 300, 7, 3, 5)
+    a.check("fp8")
+
+
+def test_heuristic_configs_are_valid():
+    for scheme in ("bf16", "fp8"):
+        for T in (1, 8, 64, 512, 8192):
+            tuning.heuristic(scheme, 7168, 2048, 256, 8, T).check(scheme)
+
+
+def test_bad_tables_and_dirs_are_named(tmp_path, monkeypatch):
+    (tmp_path / "bad.csv").write_text("device,scheme\nx,bf16\n")
+    monkeypatch.setenv("ATOM_MOE_CONFIG_DIR", str(tmp_path))
+    with pytest.raises(tuning.ConfigError, match="missing columns"):
+        tuning.lookup("x", "bf16", 1, 1, 1, 1, 1)
+    _write(tmp_path / "bad.csv", [_row("x", "bf16", 8, 8, 2, 1, "many", 16)])
+    tuning.clear_cache()
+    with pytest.raises(tuning.ConfigError, match=r"bad.csv:2"):
+        tuning.lookup("x", "bf16", 8, 8, 2, 1, 1)
+    monkeypatch.setenv("ATOM_MOE_CONFIG_DIR", str(tmp_path / "missing"))
+    tuning.clear_cache()
+    with pytest.raises(tuning.ConfigError, match="not a directory"):
+        tuning.lookup("x", "bf16", 8, 8, 2, 1, 1)
+
+
+def test_tuned_row_with_invalid_tiles_is_rejected(tmp_path, monkeypatch):
+    _write(tmp_path / "t.csv", [_row("x", "fp8", 256, 256, 4, 2, 8, 16, n1=128)])
+    monkeypatch.setenv("ATOM_MOE_CONFIG_DIR", str(tmp_path))
+    with pytest.raises(tuning.ConfigError, match="block_n1=256"):
+        tuning.lookup("x", "fp8", 256, 256, 4, 2, 8)
+
+
+def test_shipped_tables_parse_and_are_valid():
+    for group in tuning._load(()):
+        for row in group:
+            tuning.TileConfig(**{c: row[c] for c in tuning.CONFIG_COLUMNS}).check(row["scheme"])
