@@ -167,7 +167,7 @@ def quantize_fp8_per_group(x: torch.Tensor, group: int = 128) -> tuple[torch.Ten
     """[..., K] -> (e4m3 [..., K], fp32 scales [..., ceil(K/group)]); a partial last group is fine."""
     k = x.shape[-1]
     xp = _pad_last(x.float(), group)
-    q, s = _fp8_from_groups(xp.reshape(*x.shape[:-1], -1, group), (-1,))
+    q, s = _fp8_from_groups(xp.reshape(*x.shape[:-1], xp.shape[-1] // group, group), (-1,))
     return q.flatten(-2)[..., :k], s.squeeze(-1)
 
 

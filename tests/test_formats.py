@@ -493,3 +493,16 @@ def test_e4m3_single_rounding_near_ties():
     q, s = F.quantize_fp8_per_group(x, 32)
     assert s.tolist() == [[1.0]]
     assert q.float()[0, :len(vals)].tolist() == want
+
+
+def test_zero_rows_quantize_to_empty_tensors():
+    # An EP rank can receive no tokens: every activation quantizer must accept [0, K].
+    q, s = F.quantize_fp8_per_group(torch.randn(0, 300))
+    assert q.shape == (0, 300) and s.shape == (0, 3)
+    assert F.dequantize_fp8_per_group(q, s).shape == (0, 300)
+    q, s = F.quantize_fp8_per_token(torch.randn(0, 64))
+    assert q.shape == (0, 64) and s.shape == (0, 1)
+    q, s = F.quantize_mxfp8(torch.randn(0, 64))
+    assert q.shape == (0, 64) and s.shape == (0, 2)
+    p, s = F.quantize_mxfp4(torch.randn(0, 64))
+    assert p.shape == (0, 32) and F.dequantize_mxfp4(p, s).shape == (0, 64)

@@ -1,0 +1,11 @@
+"""Expert parallelism: the MegaMoE op, its buffer sizing, transports and launch helpers (docs/ep.md)."""
+
+from .buffers import BufferLimitError, BufferSpec, buffer_plan, buffer_sizes, check_limits
+from .launch import DistInfo, init_distributed
+from .op import MegaMoE, MegaMoEError, WarmupCase
+from .transports import LocalTransport, TorchTransport, Transport
+
+__all__ = [
+    "BufferLimitError", "BufferSpec", "DistInfo", "LocalTransport", "MegaMoE", "MegaMoEError", "TorchTransport",
+    "Transport", "WarmupCase", "buffer_plan", "buffer_sizes", "check_limits", "init_distributed",
+]

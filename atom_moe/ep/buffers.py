@@ -1,0 +1,183 @@
+"""Sizing of every persistent buffer the expert-parallel op allocates (one source of truth).
+
+`buffer_plan` lists each buffer's name, shape and dtype; the op allocates exactly these,
+so a test can assert that allocated bytes equal planned bytes and a planning tool can
+print them without a GPU. With W = EP world size, C = max_tokens_per_rank (the capacity
+per destination rank: the worst case, every local token sent to one rank), N = W * C,
+H = hidden, k = top_k, G = ceil(H / 128):
+
+torch transport (static-capacity all-to-all; row N of the send buffers is a dummy row
+that absorbs the writes of (token, rank) pairs that are not sent):
+    expert_owner   int64 [E + 1]        owning rank of each global expert, W for the sentinel slot
+    rank_offsets   int64 [W]            r * C: first row of rank r's block
+    send_x         wire  [N + 1, H]     tokens out (bf16, or e4m3 for the fp8 wire)
+    send_meta      int32 [N + 1, 2k+G'] per row: k global ids, k fp32 weights (bit-cast), G' fp32 scales
+    recv_x         wire  [N, H]         tokens in
+    recv_meta      int32 [N, 2k+G']
+    expert_ids     int32 [N, k]         contiguous ids for the experts step
+    expert_w       fp32  [N, k]         contiguous weights for the experts step
+    expert_x       bf16  [N, H]         fp8 wire only: dequantized tokens for the experts step
+    combine_recv   bf16  [N + 1, H]     expert outputs back (row N stays zero: the dummy row)
+    dest_index     int64 [C, W]         per token and rank: row in send/combine buffers, or N
+    combine_acc    fp32  [C, H]         per-token sum over ranks
+    combine_tmp    bf16  [C, H]         one rank's gathered rows
+  G' = G for the fp8 wire, 0 for bf16.
+local transport (EP = 1): no transport buffers.
+triton experts backend: plus, for the torch transport, expert_out bf16 [N, H] (the fused
+experts' output, read by the combine all-to-all), and the experts workspace for N rows (C for local), named
+"workspace.<field>", sized by atom_moe.experts.allocate_workspace on the meta device.
+
+Every buffer must be addressable with int32 byte offsets (a Triton kernel that forgets an
+int64 cast wraps silently past 2**31 - 1); `check_limits` enforces that and names the
+largest max_tokens_per_rank that fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..formats import FP8_DTYPE
+from ..spec import FP8_BLOCK, MoESpec
+
+INT32_MAX = 2**31 - 1
+WIRES = ("bf16", "fp8")
+TRANSPORTS = ("local", "torch")
+BACKENDS = ("triton", "torch")
+COMBINE_DTYPE = torch.bfloat16  # expert outputs travel back in bf16 on every wire
+
+
+class BufferLimitError(ValueError):
+    """A buffer plan that exceeds an int32 byte or index range."""
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """One persistent buffer: shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+def wire_dtype(wire: str) -> torch.dtype:
+    """The dtype of token rows on the wire."""
+    return FP8_DTYPE if wire == "fp8" else torch.bfloat16
+
+
+def scale_groups(spec: MoESpec, wire: str) -> int:
+    """fp32 scales per token row on the wire: ceil(H/128) for fp8, 0 for bf16."""
+    return -(-spec.hidden_size // FP8_BLOCK) if wire == "fp8" else 0
+
+
+def _check_args(ep_size: int, max_tokens_per_rank: int, wire: str, transport: str, experts_backend: str) -> None:
+    for name, value in (("ep_size", ep_size), ("max_tokens_per_rank", max_tokens_per_rank)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    for name, value, allowed in (("wire", wire, WIRES), ("transport", transport, TRANSPORTS),
+                                 ("experts_backend", experts_backend, BACKENDS)):
+        if value not in allowed:
+            raise ValueError(f"unknown {name} {value!r}; allowed: {', '.join(allowed)}")
+    if transport == "local" and ep_size != 1:
+        raise ValueError(f"the local transport serves EP size 1 only, got ep_size={ep_size}; use transport='torch'")
+
+
+def buffer_plan(spec: MoESpec, ep_size: int, max_tokens_per_rank: int, wire: str = "bf16", *,
+                transport: str | None = None, experts_backend: str = "torch") -> dict[str, BufferSpec]:
+    """Every persistent buffer (name -> shape, dtype) of a MegaMoE op; see the module docstring."""
+    transport = transport or ("local" if ep_size == 1 else "torch")
+    _check_args(ep_size, max_tokens_per_rank, wire, transport, experts_backend)
+    W, C, H, k, E = ep_size, max_tokens_per_rank, spec.hidden_size, spec.top_k, spec.num_experts
+    N, G = W * C, scale_groups(spec, wire)
+    plan: dict[str, BufferSpec] = {}
+    if transport == "torch":
+        wd = wire_dtype(wire)
+        plan.update(
+            expert_owner=BufferSpec((E + 1,), torch.int64),
+            rank_offsets=BufferSpec((W,), torch.int64),
+            send_x=BufferSpec((N + 1, H), wd),
+            send_meta=BufferSpec((N + 1, 2 * k + G), torch.int32),
+            recv_x=BufferSpec((N, H), wd),
+            recv_meta=BufferSpec((N, 2 * k + G), torch.int32),
+            expert_ids=BufferSpec((N, k), torch.int32),
+            expert_w=BufferSpec((N, k), torch.float32),
+        )
+        if wire == "fp8":
+            plan["expert_x"] = BufferSpec((N, H), torch.bfloat16)
+        plan.update(
+            combine_recv=BufferSpec((N + 1, H), COMBINE_DTYPE),
+            dest_index=BufferSpec((C, W), torch.int64),
+            combine_acc=BufferSpec((C, H), torch.float32),
+            combine_tmp=BufferSpec((C, H), COMBINE_DTYPE),
+        )
+    if experts_backend == "triton":
+        rows = N if transport == "torch" else C
+        if transport == "torch":  # the fused experts write here; the combine all-to-all reads it
+            plan["expert_out"] = BufferSpec((N, H), COMBINE_DTYPE)
+        plan.update({f"workspace.{name}": spec_ for name, spec_ in workspace_plan(spec, rows).items()})
+    return plan
+
+
+def workspace_plan(spec: MoESpec, rows: int) -> dict[str, BufferSpec]:
+    """The fused experts' workspace for `rows` tokens, read off a meta-device allocation."""
+    from ..experts import allocate_workspace  # lazy: needs Triton
+
+    ws = allocate_workspace(spec, rows, "meta")
+    return {name: BufferSpec(tuple(t.shape), t.dtype) for name, t in workspace_tensors(ws).items()}
+
+
+def workspace_tensors(ws) -> dict[str, torch.Tensor]:
+    """The tensors of an experts Workspace, by field name."""
+    return {name: value for name, value in vars(ws).items() if isinstance(value, torch.Tensor)}
+
+
+def buffer_sizes(spec: MoESpec, ep_size: int, max_tokens_per_rank: int, wire: str = "bf16", *,
+                 transport: str | None = None, experts_backend: str = "torch") -> dict[str, int]:
+    """Bytes of every persistent buffer of a MegaMoE op (name -> bytes); sum them for the total."""
+    plan = buffer_plan(spec, ep_size, max_tokens_per_rank, wire, transport=transport,
+                       experts_backend=experts_backend)
+    return {name: b.nbytes for name, b in plan.items()}
+
+
+def _violations(spec: MoESpec, ep_size: int, mtpr: int, wire: str, transport: str | None,
+                experts_backend: str) -> list[str]:
+    plan = buffer_plan(spec, ep_size, mtpr, wire, transport=transport, experts_backend=experts_backend)
+    bad = [f"{name} {list(b.shape)} {str(b.dtype).removeprefix('torch.')} = {b.nbytes} bytes"
+           for name, b in plan.items() if b.nbytes > INT32_MAX]
+    pairs = ep_size * mtpr * spec.top_k  # (token, expert) pairs one rank's experts step may receive
+    if pairs > INT32_MAX:
+        bad.append(f"{pairs} (token, expert) pairs")
+    return bad
+
+
+def check_limits(spec: MoESpec, ep_size: int, max_tokens_per_rank: int, wire: str = "bf16", *,
+                 transport: str | None = None, experts_backend: str = "torch") -> None:
+    """Raise BufferLimitError, naming the largest safe max_tokens_per_rank, if any buffer passes int32."""
+    bad = _violations(spec, ep_size, max_tokens_per_rank, wire, transport, experts_backend)
+    if not bad:
+        return
+    lo, hi = 0, max_tokens_per_rank  # plan sizes grow with max_tokens_per_rank: bisect the largest safe value
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _violations(spec, ep_size, mid, wire, transport, experts_backend):
+            hi = mid
+        else:
+            lo = mid
+    raise BufferLimitError(
+        f"max_tokens_per_rank={max_tokens_per_rank} with EP size {ep_size} (H={spec.hidden_size}, "
+        f"I={spec.intermediate_size}, top_k={spec.top_k}, wire={wire}, experts={experts_backend}) needs buffers "
+        f"past the int32 range (2**31 - 1 bytes or indices): {'; '.join(bad)}. "
+        + (f"The largest safe max_tokens_per_rank is {lo}." if lo else
+           "No max_tokens_per_rank fits: reduce the EP size or the layer.")
+    )

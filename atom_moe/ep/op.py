@@ -1,0 +1,364 @@
+"""MegaMoE: the expert-parallel MoE op (dispatch -> local experts -> combine) with persistent buffers.
+
+Lifecycle (docs/ep.md): build once per (spec, EP group, max_tokens_per_rank) -> warmup ->
+[capture] -> per layer `bind(weights)` + `forward(x, topk_weights, topk_ids)` -> close().
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..spec import MoESpec
+from ..weights import PreparedWeights
+from .buffers import BACKENDS, TRANSPORTS, WIRES, buffer_plan, check_limits, workspace_tensors
+from .transports import LocalTransport, TorchTransport, Transport, allocate
+
+X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class MegaMoEError(ValueError):
+    """Invalid use of the expert-parallel op; raised on every rank when any rank is at fault."""
+
+
+@dataclass
+class WarmupCase:
+    """One warm-up batch and the op's output for it (tests compare it with the reference)."""
+
+    name: str
+    x: torch.Tensor
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    out: torch.Tensor
+
+
+def _backend_names(group: dist.ProcessGroup) -> str:
+    return str(dist.get_backend(group)).lower()
+
+
+class MegaMoE:
+    """One expert-parallel MoE op serving every layer of one shape on one EP group.
+
+    group: the EP process group (None: the default group if initialized, else EP size 1).
+    cpu_group: a gloo group over the same ranks for host-side agreement (None: the EP
+    group itself when it is gloo, else one is created here, collectively over the
+    default group, and destroyed by close()).
+    check_tokens: agree on every rank's token count before any device work (one tiny
+    gloo all_gather per forward) so an overflow or invalid input on one rank raises on
+    every rank. With False each rank checks only itself, and a peer's failure surfaces
+    as a process-group timeout instead.
+    """
+
+    def __init__(self, spec: MoESpec, group: dist.ProcessGroup | None = None, *,
+                 max_tokens_per_rank: int | None = None, transport: str = "auto", wire: str = "bf16",
+                 experts_backend: str = "auto", device: torch.device | str | None = None,
+                 cpu_group: dist.ProcessGroup | None = None, check_tokens: bool = True,
+                 timeout: timedelta = timedelta(minutes=5)) -> None:
+        self.spec = spec
+        self.max_tokens_per_rank = spec.max_tokens_per_rank if max_tokens_per_rank is None else max_tokens_per_rank
+        self.check_tokens = check_tokens
+        self.device = _normalize_device(device)
+        self._closed = False
+        self._weights: PreparedWeights | None = None
+        self._owned_cpu_group = False
+        self.group, self.rank, self.world = self._resolve_group(group)
+        self.cpu_group = self._resolve_cpu_group(cpu_group, timeout) if self.world > 1 else None
+        try:
+            self._build(transport, wire, experts_backend)
+        except BaseException:
+            if self._owned_cpu_group:  # a failed build leaves no group behind
+                dist.destroy_process_group(self.cpu_group)
+            raise
+
+    def _build(self, transport: str, wire: str, experts_backend: str) -> None:
+        spec = self.spec
+        problem = self._local_build_problem(transport, wire, experts_backend)
+        owners = self._agree_at_build(problem)  # raises on every rank if any rank is at fault
+        self.transport_name = ("local" if self.world == 1 else "torch") if transport == "auto" else transport
+        self.wire = wire
+        self.experts_backend = self._resolve_backend(experts_backend)
+        check_limits(spec, self.world, self.max_tokens_per_rank, wire, transport=self.transport_name,
+                     experts_backend=self.experts_backend)  # same inputs on every rank: all raise alike
+
+        plan = buffer_plan(spec, self.world, self.max_tokens_per_rank, wire, transport=self.transport_name,
+                           experts_backend=self.experts_backend)
+        self.buffers = allocate({n: b for n, b in plan.items() if not n.startswith("workspace.")}, self.device)
+        self.transport: Transport
+        if self.transport_name == "local":
+            self.transport = LocalTransport(self.max_tokens_per_rank)
+        else:
+            self.transport = TorchTransport(spec, self.group, self.rank, self.world, self.max_tokens_per_rank,
+                                            wire, owners, self.buffers)
+        self._workspace = None
+        if self.experts_backend == "triton":
+            from ..experts import allocate_workspace
+            with torch.inference_mode(False), torch.no_grad():
+                self._workspace = allocate_workspace(spec, self.transport.rows, self.device)
+            self.buffers.update({f"workspace.{n}": t for n, t in workspace_tensors(self._workspace).items()})
+        # host-side agreement buffers: [num_tokens, error flag] per rank, reused every call
+        self._mine = torch.zeros(2, dtype=torch.int64)
+        self._all = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world)]
+
+    # ------------------------------------------------------------------ build helpers
+    def _resolve_group(self, group):
+        if group is None and dist.is_available() and dist.is_initialized():
+            group = dist.group.WORLD
+        if group is None:
+            world, rank = 1, 0
+        else:
+            world, rank = dist.get_world_size(group), dist.get_rank(group)
+        return group, rank, world
+
+    def _resolve_cpu_group(self, cpu_group, timeout):
+        if cpu_group is not None:
+            return cpu_group
+        if "gloo" in _backend_names(self.group) and "nccl" not in _backend_names(self.group):
+            return self.group
+        ranks = dist.get_process_group_ranks(self.group)
+        self._owned_cpu_group = True
+        # collective over the default group: every process must build its op at the same point
+        return dist.new_group(ranks, backend="gloo", timeout=timeout)
+
+    def _local_build_problem(self, transport: str, wire: str, experts_backend: str) -> str | None:
+        mtpr, p = self.max_tokens_per_rank, self.spec.placement
+        if (p.rank, p.world_size) != (self.rank, self.world):
+            return (f"the spec's placement is rank {p.rank} of {p.world_size} but this process is rank {self.rank} "
+                    f"of {self.world} in the EP group; build the spec with spec.for_rank({self.rank}, {self.world})")
+        if not isinstance(mtpr, int) or isinstance(mtpr, bool) or mtpr < 1:
+            return f"max_tokens_per_rank must be a positive int, got {mtpr!r}"
+        for name, value, allowed in (("transport", transport, ("auto",) + TRANSPORTS), ("wire", wire, WIRES),
+                                     ("experts_backend", experts_backend, ("auto",) + BACKENDS)):
+            if value not in allowed:
+                return f"unknown {name} {value!r}; allowed: {', '.join(allowed)}"
+        if transport == "local" and self.world != 1:
+            return (f"transport='local' serves EP size 1 only; this EP group has {self.world} ranks: "
+                    f"use 'torch' or 'auto'")
+        if wire == "fp8" and (transport == "local" or (transport == "auto" and self.world == 1)):
+            return ("wire='fp8' needs a transport that moves tokens; EP size 1 uses the local transport, which has "
+                    "no wire: pass wire='bf16' (or transport='torch' to quantize on a 1-rank all-to-all)")
+        if transport == "torch" or (transport == "auto" and self.world > 1):
+            if self.group is None:
+                return "transport='torch' needs an initialized torch.distributed process group"
+            names = _backend_names(self.group)
+            if self.device.type == "cuda" and "nccl" not in names:
+                return f"CUDA buffers need an NCCL EP group for the torch transport, got backend {names!r}"
+            if self.device.type == "cpu" and "gloo" not in names:
+                return f"CPU buffers need a gloo EP group for the torch transport, got backend {names!r}"
+        if experts_backend == "triton" and self.device.type != "cuda" and not _triton_interpreter():
+            return "experts_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1); use 'torch' on the CPU"
+        return None
+
+    def _agree_at_build(self, problem: str | None) -> list[int]:
+        """Exchange each rank's view; raise the same error everywhere on any mismatch; return expert owners."""
+        s = self.spec
+        mine = dict(problem=problem, mtpr=self.max_tokens_per_rank, local=list(s.local_experts),
+                    layer=(s.hidden_size, s.intermediate_size, s.num_experts, s.top_k, s.scheme.value,
+                           s.activation, s.has_bias))
+        views = [mine]
+        if self.world > 1:
+            views = [None] * self.world
+            dist.all_gather_object(views, mine, group=self.cpu_group)
+        problems = [f"rank {r}: {v['problem']}" for r, v in enumerate(views) if v["problem"]]
+        if problems:
+            raise MegaMoEError("MegaMoE build failed: " + "; ".join(problems))
+        mtprs = [v["mtpr"] for v in views]
+        if len(set(mtprs)) > 1:
+            raise MegaMoEError("max_tokens_per_rank must be identical on every EP rank, got "
+                               + ", ".join(f"rank {r}: {m}" for r, m in enumerate(mtprs)))
+        layers = [v["layer"] for v in views]
+        if any(layer != layers[0] for layer in layers):
+            per_rank = "; ".join(f"rank {r}: {x}" for r, x in enumerate(layers))
+            raise MegaMoEError("every EP rank must build the op for the same layer shape; (H, I, E, top_k, scheme, "
+                               f"activation, has_bias) per rank: {per_rank}")
+        owner_of: dict[int, list[int]] = {}
+        for r, v in enumerate(views):
+            for e in v["local"]:
+                owner_of.setdefault(e, []).append(r)
+        missing = [e for e in range(s.num_experts) if e not in owner_of]
+        shared = {e: rs for e, rs in owner_of.items() if len(rs) > 1}
+        if missing or shared:
+            raise MegaMoEError(
+                f"the EP ranks' placements must partition the {s.num_experts} experts (each expert on exactly one "
+                f"rank): unowned experts {missing[:16]}, experts on several ranks {dict(list(shared.items())[:16])}")
+        return [owner_of[e][0] for e in range(s.num_experts)]
+
+    def _resolve_backend(self, requested: str) -> str:
+        if requested != "auto":
+            return requested
+        if self.device.type != "cuda":
+            return "torch"
+        try:
+            from ..experts import SUPPORTED
+        except ImportError as exc:  # the Triton path is optional; say why it is not used
+            warnings.warn(f"atom_moe.experts unavailable ({exc}); using the torch experts (not CUDA-graph safe)")
+            return "torch"
+        if self.spec.scheme not in SUPPORTED:
+            warnings.warn(f"fused experts do not support scheme {self.spec.scheme.value} yet; using the torch "
+                          f"experts (not CUDA-graph safe)")
+            return "torch"
+        return "triton"
+
+    # ------------------------------------------------------------------ per layer
+    def bind(self, weights: PreparedWeights) -> "MegaMoE":
+        """Point the op at one layer's prepared local weights (a reference swap, no copy)."""
+        self._check_open()
+        weights.check(self.spec)
+        if weights.w2.device != self.device:
+            raise MegaMoEError(f"weights are on {weights.w2.device}, the op's buffers on {self.device}")
+        self._weights = weights
+        return self
+
+    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 weights: PreparedWeights) -> torch.Tensor:
+        """bind(weights) then forward."""
+        return self.bind(weights).forward(x, topk_weights, topk_ids)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """[T, H] in x.dtype: the bound layer's MoE output for this rank's tokens (global expert ids)."""
+        self._check_open()
+        num_tokens = self._agree_on_call(x, self._input_problem(x, topk_weights, topk_ids))
+        if num_tokens == 0 and self.transport_name == "local":  # nothing to compute, nobody to serve
+            return x.new_empty(0, self.spec.hidden_size)
+        xin, w, ids = self.transport.dispatch(x, topk_weights, topk_ids)
+        y = self._experts(xin, w, ids)
+        out = self.transport.combine(y, num_tokens)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+
+    def _experts(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.experts_backend == "triton":
+            from ..experts import fused_experts
+            out = self.buffers.get("expert_out")  # torch transport: persistent; local: a fresh [T, H] output
+            return fused_experts(x, w, ids, self._weights, self.spec, workspace=self._workspace, out=out)
+        from ..experts_torch import experts_torch
+        return experts_torch(x, w, ids, self._weights, self.spec)
+
+    def _input_problem(self, x, topk_weights, topk_ids) -> str | None:
+        """What is wrong with this rank's call, or None (checked before any collective)."""
+        if self._weights is None:
+            return "no weights bound: call bind(weights) (or op(x, w, ids, weights)) first"
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.spec.hidden_size:
+            return f"x must be a [T, H={self.spec.hidden_size}] tensor, got {tuple(getattr(x, 'shape', ()))}"
+        if x.dtype not in X_DTYPES:
+            return f"x dtype {x.dtype} not supported; allowed: bfloat16, float16, float32"
+        k = self.spec.top_k
+        for name, t, dtypes in (("topk_ids", topk_ids, (torch.int32, torch.int64)),
+                                ("topk_weights", topk_weights, (torch.float32, torch.bfloat16, torch.float16))):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (x.shape[0], k):
+                return f"{name} must be [T, top_k] = [{x.shape[0]}, {k}], got {tuple(getattr(t, 'shape', ()))}"
+            if t.dtype not in dtypes:
+                return f"{name} dtype {t.dtype} not supported; allowed: {', '.join(map(str, dtypes))}"
+        for name, t in (("x", x), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+            if t.device != self.device:
+                return f"{name} is on {t.device}; the op's buffers are on {self.device}"
+            if not t.is_contiguous():
+                return f"{name} must be contiguous"
+        if self.experts_backend == "torch" and _capturing(self.device):
+            return "experts_backend='torch' is not CUDA-graph safe (it syncs with the host); build with 'triton'"
+        return None
+
+    def _agree_on_call(self, x, problem: str | None) -> int:
+        """Raise on every rank if any rank's call is invalid or has too many tokens; return T."""
+        T = x.shape[0] if problem is None else -1
+        mtpr = self.max_tokens_per_rank
+        if self.world == 1 or not self.check_tokens or _capturing(self.device):
+            # shapes are static during capture and were validated on every rank at warm-up/first call
+            if problem:
+                raise MegaMoEError(f"rank {self.rank}: {problem}")
+            if T > mtpr:
+                raise MegaMoEError(f"rank {self.rank}: {T} tokens exceed max_tokens_per_rank={mtpr}")
+            return T
+        self._mine[0], self._mine[1] = T, int(problem is not None)
+        try:
+            dist.all_gather(self._all, self._mine, group=self.cpu_group)
+        except RuntimeError as exc:
+            raise MegaMoEError(f"rank {self.rank}: the EP peers did not all reach forward within the process-group "
+                               f"timeout (a peer failed or skipped this call): {exc}") from exc
+        counts, flags = [int(t[0]) for t in self._all], [int(t[1]) for t in self._all]
+        if any(flags):
+            # a second collective, only on this error path, that every rank enters (all saw the flag)
+            msgs = [None] * self.world
+            dist.all_gather_object(msgs, problem, group=self.cpu_group)
+            raise MegaMoEError("invalid MegaMoE call: " + "; ".join(f"rank {r}: {m}" for r, m in enumerate(msgs) if m))
+        over = [(r, c) for r, c in enumerate(counts) if c > mtpr]
+        if over:
+            raise MegaMoEError("tokens exceed max_tokens_per_rank=" + str(mtpr) + " on "
+                               + ", ".join(f"rank {r} ({c} tokens)" for r, c in over)
+                               + "; nothing was sent. Rebuild the op with a larger max_tokens_per_rank "
+                               "or split the batch")
+        return T
+
+    # ------------------------------------------------------------------ warm-up, accounting, teardown
+    def warmup(self, weights: PreparedWeights | None = None, *, seed: int = 0) -> list[WarmupCase]:
+        """Run, before any capture, the engines' dummy batches at T = max_tokens_per_rank (collective).
+
+        balanced (ids t*k+j mod E), same_experts (every token to experts 0..k-1), one_expert
+        (every slot to expert 0), sentinel (ids E and -1 only). Returns each case and its output.
+        """
+        if weights is not None:
+            self.bind(weights)
+        s, T = self.spec, self.max_tokens_per_rank
+        E, k = s.num_experts, s.top_k
+        gen = torch.Generator().manual_seed(seed * 1000003 + self.rank)
+        x = torch.randn(T, s.hidden_size, generator=gen).to(self.device, torch.bfloat16)
+        w = torch.rand(T, k, generator=gen).add_(0.1).to(self.device)
+        t = torch.arange(T).unsqueeze(1)
+        j = torch.arange(k).unsqueeze(0)
+        ids = {
+            "balanced": (t * k + j) % E,
+            "same_experts": j.expand(T, k) % E,
+            "one_expert": torch.zeros(T, k, dtype=torch.int64),
+            "sentinel": torch.where((t + j) % 2 == 0, E, -1).expand(T, k),
+        }
+        cases = []
+        for name, i in ids.items():
+            i = i.contiguous().to(self.device)
+            cases.append(WarmupCase(name, x, w, i, self.forward(x, w, i)))
+        return cases
+
+    def allocated_bytes(self) -> int:
+        """Bytes of every persistent buffer this op allocated (equals sum(buffer_sizes(...)))."""
+        return sum(t.numel() * t.element_size() for t in self.buffers.values())
+
+    def close(self) -> None:
+        """Release the buffers and destroy what the op created (its gloo side group); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.transport.close()
+        self.buffers, self._workspace, self._weights = {}, None, None
+        if self._owned_cpu_group and dist.is_initialized():
+            dist.destroy_process_group(self.cpu_group)
+        self.cpu_group = None
+
+    def __enter__(self) -> "MegaMoE":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise MegaMoEError("this MegaMoE op was closed; build a new one")
+
+
+def _normalize_device(device: torch.device | str | None) -> torch.device:
+    """'cuda' -> 'cuda:<current>' so device comparisons with tensors' devices are exact."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _triton_interpreter() -> bool:
+    import os
+    return os.environ.get("TRITON_INTERPRET") == "1"

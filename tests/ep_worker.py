@@ -1,0 +1,333 @@
+"""One EP rank of a multi-process test: `python tests/ep_worker.py SCENARIO` under torchrun-style env or mpiexec.
+
+Every rank builds the same random layers from EP_TEST_SEED, checks its own outputs against
+the single-rank fp32 reference, prints one `RESULT {json}` line per check and exits 0 only
+if every check passed. tests/test_ep_multiproc.py launches it with a hard timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from atom_moe.ep import BufferLimitError, MegaMoE, MegaMoEError, buffer_sizes, init_distributed
+from atom_moe.formats import dequantize_fp8_per_group, quantize_fp8_per_group
+from atom_moe.reference import ReferenceWeights, reference_moe
+from atom_moe.spec import MoESpec
+from atom_moe.synthetic import random_layer, random_tokens
+from atom_moe.weights import prepare_stacked
+
+H, I, E, K, C = 160, 64, 8, 3, 12  # H=160: one full and one partial fp8 group, a multiple of 32 for MXFP4
+SCHEMES = ("bf16", "fp8", "a16w4", "a8w4")
+CASES = ("random", "skewed", "one_expert", "rank_gets_nothing")
+TOL = 1e-2  # relative Frobenius error vs the fp32 reference: bf16 rounding of x/intermediate, fp8 requant
+
+
+class Checks:
+    """Collects pass/fail per check; prints each as a RESULT line."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.failed = rank, []
+        out_dir = os.environ.get("EP_TEST_OUT")  # one file per rank: launchers interleave stdout lines
+        self.file = open(os.path.join(out_dir, f"rank{rank}.jsonl"), "a") if out_dir else None
+
+    def record(self, name: str, ok: bool, **info) -> None:
+        line = json.dumps(dict(rank=self.rank, check=name, ok=bool(ok), **info), default=str)
+        print("RESULT " + line, flush=True)
+        if self.file:
+            self.file.write(line + "\n")
+            self.file.flush()
+        if not ok:
+            self.failed.append(name)
+
+    def expect_error(self, name: str, fn, *needles: str, kind: type = MegaMoEError) -> None:
+        try:
+            fn()
+        except kind as exc:
+            msg = str(exc)
+            self.record(name, all(n in msg for n in needles), message=msg, needles=needles)
+            return
+        except Exception as exc:  # the wrong kind of error is a failure too
+            self.record(name, False, message=f"{type(exc).__name__}: {exc}")
+            return
+        self.record(name, False, message="no error raised")
+
+
+def placement(kind: str, world: int) -> list[list[int]]:
+    """Per-rank expert lists: linear, or uneven and non-contiguous (e mod (W+1) mod W)."""
+    if kind == "linear":
+        per = E // world
+        return [list(range(r * per, (r + 1) * per)) for r in range(world)]
+    return [[e for e in range(E) if (e % (world + 1)) % world == r] for r in range(world)]
+
+
+def make_layer(spec_full: MoESpec, spec_rank: MoESpec, seed: int):
+    """(this rank's PreparedWeights, full-layer ReferenceWeights) of one random layer."""
+    raw = random_layer(spec_full, generator=torch.Generator().manual_seed(seed))
+    mine = prepare_stacked(spec_rank, raw.w13, raw.w2, layout="separated")
+    full = prepare_stacked(spec_full, raw.w13, raw.w2, layout="separated")
+    return mine, ReferenceWeights.from_prepared(full)
+
+
+def reference(spec: MoESpec, ref, x, w, ids, wire: str) -> torch.Tensor:
+    """The single-rank fp32 reference for what this op computes (see docs/ep.md, accuracy)."""
+    if x.shape[0] == 0:  # (quantize_fp8_per_group rejects 0 rows, so the reference cannot run on none)
+        return torch.zeros(0, spec.hidden_size, device=x.device)
+    act_quant = spec.scheme if spec.scheme.fp8_activations else None
+    if wire == "fp8" and act_quant is None:  # the wire quantizes x once; bf16/a16w4 kernels use it as is
+        x = dequantize_fp8_per_group(*quantize_fp8_per_group(x, 128), 128)
+    return reference_moe(x, w, ids, ref, spec.activation, act_quant=act_quant)
+
+
+def compare(checks: Checks, name: str, out: torch.Tensor, ref: torch.Tensor, x: torch.Tensor) -> None:
+    """Every element: shape, dtype, finite, and relative Frobenius error <= TOL (exact zero for a zero ref)."""
+    if tuple(out.shape) != tuple(ref.shape) or out.dtype != x.dtype:
+        checks.record(name, False, shape=tuple(out.shape), dtype=str(out.dtype))
+        return
+    err = (out.float() - ref).norm().item()
+    scale = ref.norm().item()
+    ok = bool(torch.isfinite(out).all()) and (err <= TOL * scale if scale > 0 else err == 0.0)
+    checks.record(name, ok, tokens=out.shape[0], rel=err / scale if scale else err)
+
+
+def make_case(case: str, spec: MoESpec, rank: int, world: int, owners: list[list[int]], seed: int):
+    """(x, topk_weights, topk_ids) of this rank for one routing case; token counts differ per rank, one is 0."""
+    shared = torch.Generator().manual_seed(seed)  # same on every rank: counts, the chosen expert and rank
+    counts = torch.randint(1, C + 1, (world,), generator=shared)
+    perm = torch.randperm(world, generator=shared)
+    if case in ("random", "rank_gets_nothing"):
+        counts[perm[0]] = 0
+    counts[perm[-1]] = C
+    T = int(counts[rank])
+    chosen = int(torch.randint(0, E, (1,), generator=shared))
+    victim = int(perm[1 % world])
+    g = torch.Generator().manual_seed(seed * 7919 + rank + 1)
+    x, w, ids = random_tokens(spec, T, generator=g, skew=3.0 if case == "skewed" else 0.0)
+    if case == "skewed":
+        x = x.float()  # fp32 activations: bf16 on the wire, fp32 back out
+    if case == "random":  # sprinkle sentinel ids (-1 and E): they must contribute nothing
+        r = torch.rand(ids.shape, generator=g)
+        ids = torch.where(r < 0.08, -1, torch.where(r < 0.16, E, ids))
+    elif case == "one_expert":
+        ids = torch.full_like(ids, chosen)
+    elif case == "rank_gets_nothing":
+        allowed = torch.tensor([e for e in range(E) if e not in owners[victim]])
+        pick = torch.rand(T, allowed.numel(), generator=g).argsort(dim=1)[:, :K]
+        ids = allowed[pick]
+    return x, w.contiguous(), ids.contiguous()
+
+
+def scenario_correctness(checks: Checks, rank: int, world: int, seed: int, schemes=SCHEMES, wires=("bf16", "fp8")):
+    for si, scheme in enumerate(schemes):
+        for wi, wire in enumerate(wires):
+            kind = "uneven" if (si + wi) % 2 else "linear"
+            owners = placement(kind, world)
+            spec_full = MoESpec.create(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, scheme=scheme,
+                                       max_tokens_per_rank=C)
+            spec_rank = spec_full.for_rank(rank, world, tuple(owners[rank]) if kind == "uneven" else None)
+            layers = [make_layer(spec_full, spec_rank, seed + 100 * si + li) for li in range(2)]
+            op = MegaMoE(spec_rank, None, max_tokens_per_rank=C, transport="auto", wire=wire,
+                         experts_backend="torch", device="cpu")
+            tag = f"{scheme}/{wire}/{kind}"
+            planned = buffer_sizes(spec_rank, world, C, wire)
+            got = {n: t.numel() * t.element_size() for n, t in op.buffers.items()}
+            checks.record(f"bytes {tag}", got == planned and op.allocated_bytes() == sum(planned.values())
+                          and op.transport_name == "torch", planned=sum(planned.values()), got=op.allocated_bytes())
+            for ci, case in enumerate(CASES):
+                x, w, ids = make_case(case, spec_full, rank, world, owners, seed + 1000 * (si * 8 + wi * 4 + ci))
+                mine, ref = layers[ci % 2]  # one op serves both layers, alternately bound
+                out = op(x, w, ids, mine)
+                compare(checks, f"{tag} {case}", out, reference(spec_full, ref, x, w, ids, wire), x)
+                # each token was sent once to each rank owning any of its experts; every other slot holds ids -1
+                owner = {e: r for r, es in enumerate(owners) for e in es}
+                sent = op.buffers["send_meta"][:world * C, :K].reshape(world, C, K)
+                for r in range(world):
+                    want = sum(any(owner.get(int(e), -1) == r for e in row) for row in ids)
+                    used = (sent[r] != -1).any(dim=1)
+                    ok = int(used.sum()) == want and bool(used[:want].all())
+                    checks.record(f"{tag} {case} slots to rank {r}", ok, want=want, used=int(used.sum()))
+            mine, ref = layers[0]
+            for wc in op.warmup(mine, seed=seed):
+                compare(checks, f"{tag} warmup {wc.name}", wc.out,
+                        reference(spec_full, ref, wc.x, wc.topk_weights, wc.topk_ids, wire), wc.x)
+            op.close()
+
+
+def scenario_errors(checks: Checks, rank: int, world: int, seed: int):
+    spec_full = MoESpec.create(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, max_tokens_per_rank=C)
+    spec = spec_full.for_rank(rank, world)
+    # mismatched max_tokens_per_rank: every rank raises, naming every rank's value
+    checks.expect_error("mismatched max_tokens_per_rank", lambda: MegaMoE(
+        spec, max_tokens_per_rank=8 + rank, experts_backend="torch", device="cpu"),
+        "identical", *[f"rank {r}: {8 + r}" for r in range(world)])
+    # a spec built for the wrong rank fails on every rank, naming the faulty rank
+    bad_spec = spec_full.for_rank((rank + 1) % world if rank == world - 1 else rank, world)
+    checks.expect_error("wrong placement rank", lambda: MegaMoE(
+        bad_spec, max_tokens_per_rank=C, experts_backend="torch", device="cpu"), f"rank {world - 1}:")
+    # placements that do not partition the experts: every rank raises, naming the shared expert
+    dup = tuple(placement("linear", world)[rank]) + ((0,) if rank == world - 1 else ())
+    checks.expect_error("expert on two ranks", lambda: MegaMoE(
+        spec_full.for_rank(rank, world, dup), max_tokens_per_rank=C, experts_backend="torch", device="cpu"),
+        f"experts on several ranks {{0: [0, {world - 1}]}}")
+    gap = tuple(e for e in placement("linear", world)[rank] if e != E - 1)
+    checks.expect_error("unowned expert", lambda: MegaMoE(
+        spec_full.for_rank(rank, world, gap), max_tokens_per_rank=C, experts_backend="torch", device="cpu"),
+        f"unowned experts [{E - 1}]")
+    # buffers past the int32 range: every rank raises before allocating, naming the largest safe value
+    safe = ((2**31 - 1) // (H * 2) - 1) // world  # send_x / combine_recv: (W*C + 1) rows of H bf16
+    checks.expect_error("int32 limit at build", lambda: MegaMoE(
+        spec, max_tokens_per_rank=10 * safe, experts_backend="torch", device="cpu"),
+        f"largest safe max_tokens_per_rank is {safe}.", kind=BufferLimitError)
+    mine, ref = make_layer(spec_full, spec, seed)
+    op = MegaMoE(spec, max_tokens_per_rank=C, experts_backend="torch", device="cpu").bind(mine)
+    x, w, ids = make_case("skewed", spec_full, rank, world, placement("linear", world), seed)
+    # overflow on rank 0 only: every rank raises before anything is sent; no partial write
+    before = {n: t.clone() for n, t in op.buffers.items()}
+    T0 = C + 1 if rank == 0 else 2
+    g = torch.Generator().manual_seed(seed + rank)
+    xo = torch.randn(T0, H, generator=g).bfloat16()
+    wo = torch.rand(T0, K, generator=g)
+    io = torch.randint(0, E, (T0, K), generator=g)
+    checks.expect_error("overflow on rank 0", lambda: op.forward(xo, wo, io), f"rank 0 ({C + 1} tokens)",
+                        f"max_tokens_per_rank={C}")
+    checks.record("overflow wrote nothing", all(torch.equal(before[n].view(torch.uint8), t.view(torch.uint8))
+                                                for n, t in op.buffers.items()))
+    # invalid input on the last rank: every rank raises, naming it
+    xb = torch.randn(2, H + 1).bfloat16() if rank == world - 1 else x
+    wb, ib = (torch.rand(2, K), torch.randint(0, E, (2, K))) if rank == world - 1 else (w, ids)
+    checks.expect_error("bad input on last rank", lambda: op.forward(xb, wb, ib), f"rank {world - 1}: x must be")
+    # the op still works afterwards
+    compare(checks, "forward after errors", op.forward(x, w, ids), reference(spec_full, ref, x, w, ids, "bf16"), x)
+    op.close()
+    checks.expect_error("forward after close", lambda: op.forward(x, w, ids), "closed")
+    # without the per-call agreement (check_tokens=False) valid calls give the same answer
+    fast = MegaMoE(spec, max_tokens_per_rank=C, experts_backend="torch", device="cpu", check_tokens=False)
+    compare(checks, "forward without agreement", fast(x, w, ids, mine), reference(spec_full, ref, x, w, ids, "bf16"), x)
+    fast.close()
+
+
+def scenario_peer_fails(checks: Checks, rank: int, world: int, seed: int, timeout_s: float, die: bool):
+    spec_full = MoESpec.create(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, max_tokens_per_rank=C)
+    spec = spec_full.for_rank(rank, world)
+    mine, _ = make_layer(spec_full, spec, seed)
+    op = MegaMoE(spec, max_tokens_per_rank=C, experts_backend="torch", device="cpu").bind(mine)
+    x, w, ids = make_case("random", spec_full, rank, world, placement("linear", world), seed)
+    dist.barrier()
+    if rank == world - 1:  # this rank's own code fails before it reaches forward
+        if die:
+            os._exit(17)
+        time.sleep(timeout_s + 4)
+        return
+    start = time.monotonic()
+    checks.expect_error("peer failure surfaces", lambda: op.forward(x, w, ids), "did not all reach forward")
+    elapsed = time.monotonic() - start
+    checks.record("peer failure within timeout", elapsed < timeout_s + 6, elapsed=elapsed, timeout=timeout_s)
+
+
+def scenario_gpu_graph(checks: Checks, rank: int, world: int, seed: int, local_rank: int):
+    """NCCL + triton experts: warm-up, then capture the whole forward and replay with fresh routing each time."""
+    device = torch.device("cuda", local_rank)
+    for scheme, wire in (("bf16", "bf16"), ("fp8", "fp8")):
+        spec_full = MoESpec.create(hidden_size=256, intermediate_size=128, num_experts=8, top_k=2, scheme=scheme,
+                                   max_tokens_per_rank=32)
+        spec = spec_full.for_rank(rank, world)
+        raw = random_layer(spec_full, generator=torch.Generator().manual_seed(seed))
+        mine = prepare_stacked(spec, raw.w13, raw.w2, layout="separated", device=device)
+        # the reference runs on the GPU too: fp32 matmuls on another device round the intermediate differently,
+        # and near-tie fp8 roundings of it then flip (measured ~1% Frobenius at this size), hiding real errors
+        ref = ReferenceWeights.from_prepared(prepare_stacked(spec_full, raw.w13, raw.w2, layout="separated",
+                                                             device=device))
+        op = MegaMoE(spec, max_tokens_per_rank=32, transport="torch", wire=wire, experts_backend="triton",
+                     device=device)
+        tag = f"gpu {scheme}/{wire}"
+        planned = buffer_sizes(spec, world, 32, wire, transport="torch", experts_backend="triton")
+        checks.record(f"{tag} bytes", op.allocated_bytes() == sum(planned.values()))
+        for wc in op.warmup(mine, seed=seed):
+            compare(checks, f"{tag} warmup {wc.name}", wc.out,
+                    reference(spec_full, ref, wc.x, wc.topk_weights, wc.topk_ids, wire), wc.x)
+        T = 29  # a batch size other than the warm-up's
+        g = torch.Generator().manual_seed(seed + rank)
+        x_s = torch.empty(T, 256, dtype=torch.bfloat16, device=device)
+        w_s = torch.empty(T, 2, device=device)
+        ids_s = torch.empty(T, 2, dtype=torch.int64, device=device)
+        x, w, ids = random_tokens(spec_full, T, generator=g, device=device)
+        x_s.copy_(x), w_s.copy_(w), ids_s.copy_(ids)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")  # any host sync in forward raises
+        try:
+            eager = op.forward(x_s, w_s, ids_s)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        compare(checks, f"{tag} eager no-sync", eager, reference(spec_full, ref, x, w, ids, wire), x)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out_s = op.forward(x_s, w_s, ids_s)
+        for i in range(4):
+            x, w, ids = random_tokens(spec_full, T, generator=g, skew=2.0 * i, device=device)
+            if i == 3:
+                ids = torch.full_like(ids, i)  # degenerate routing in a replay
+            x_s.copy_(x), w_s.copy_(w), ids_s.copy_(ids)
+            graph.replay()
+            torch.cuda.synchronize()
+            compare(checks, f"{tag} replay {i}", out_s, reference(spec_full, ref, x, w, ids, wire), x)
+        del graph
+        if scheme == "bf16":  # memory stays flat over 1000 calls across 61 bound layers
+            layers = []
+            for i in range(61):
+                raw_i = random_layer(spec_full, generator=torch.Generator().manual_seed(seed + i))
+                layers.append(prepare_stacked(spec, raw_i.w13, raw_i.w2, layout="separated", device=device))
+            for i in range(61):
+                op(x_s, w_s, ids_s, layers[i])
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated(device)
+            for i in range(1000):
+                op(x_s, w_s, ids_s, layers[i % 61])
+            torch.cuda.synchronize()
+            after = torch.cuda.memory_allocated(device)
+            checks.record(f"{tag} memory flat", after <= before, before=before, after=after)
+        op.close()
+
+
+def main() -> int:
+    scenario = sys.argv[1]
+    timeout_s = float(os.environ.get("EP_TEST_PG_TIMEOUT", "60"))
+    backend = "nccl" if scenario == "gpu_graph" else "gloo"
+    info = init_distributed(backend, timeout=timedelta(seconds=timeout_s))
+    rank, world = info.rank, info.world_size
+    seed = int(os.environ.get("EP_TEST_SEED", "1234"))
+    torch.manual_seed(seed + rank)
+    checks = Checks(rank)
+    checks.record("launcher", info.launcher == os.environ.get("EP_TEST_LAUNCHER", info.launcher),
+                  launcher=info.launcher, world=world)
+    try:
+        if scenario == "correctness":
+            scenario_correctness(checks, rank, world, seed)
+        elif scenario == "smoke":
+            scenario_correctness(checks, rank, world, seed, schemes=("bf16", "a8w4"))
+        elif scenario == "gpu_graph":
+            scenario_gpu_graph(checks, rank, world, seed, info.local_rank)
+        elif scenario == "errors":
+            scenario_errors(checks, rank, world, seed)
+        elif scenario in ("peer_fails", "peer_dies"):
+            scenario_peer_fails(checks, rank, world, seed, timeout_s, die=scenario == "peer_dies")
+            print(f"DONE rank={rank} failed={checks.failed}", flush=True)
+            os._exit(1 if checks.failed else 0)  # the group is broken on purpose: skip teardown
+        else:
+            raise SystemExit(f"unknown scenario {scenario!r}")
+    except Exception:
+        traceback.print_exc()
+        checks.failed.append("exception")
+    dist.destroy_process_group()  # teardown must finish: the launching test has a hard timeout
+    print(f"DONE rank={rank} failed={checks.failed}", flush=True)
+    return 1 if checks.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
