@@ -35,7 +35,7 @@ CSV_COLUMNS = ("device", "shape", "scheme", "T", "routing", "impl", "us", "floor
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the benchmark's options to `parser`."""
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--schemes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
+    parser.add_argument("--schemes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8", "a16w4", "a8w4"])
     parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
     parser.add_argument("--routing", default="uniform", choices=["uniform", "skewed"],
                         help="uniform random top-k, or skewed (Zipf-like expert popularity)")
@@ -127,6 +127,8 @@ def random_weights(spec, device: str = "cuda"):
     from .spec import Scheme
     from .weights import PreparedWeights
     H, I, E = spec.hidden_size, spec.intermediate_size, spec.num_local_experts
+    if spec.scheme.is_mxfp4:
+        return _random_mxfp4_weights(spec, device)
     fp8 = spec.scheme is Scheme.FP8
     dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
     w13 = torch.empty(E, 2 * I, H, dtype=dtype, device=device)
@@ -146,6 +148,23 @@ def random_weights(spec, device: str = "cuda"):
                            GateUpTensor(w13, GateUpLayout.INTERLEAVED), s13, w2, s2)
 
 
+def _random_mxfp4_weights(spec, device: str):
+    """Random e2m1 bytes with e8m0 scales near 2^-8 (rows of unit-ish gain at these sizes)."""
+    from .layout import GateUpKind, GateUpLayout, GateUpTensor
+    from .weights import PreparedWeights
+    H, I, E = spec.hidden_size, spec.intermediate_size, spec.num_local_experts
+    u8 = dict(dtype=torch.uint8, device=device)
+    w13 = torch.randint(0, 256, (E, 2 * I, H // 2), **u8)
+    w2 = torch.randint(0, 256, (E, H, I // 2), **u8)
+    s13 = torch.randint(116, 122, (E, 2 * I, H // 32), **u8)
+    s2 = torch.randint(116, 122, (E, H, I // 32), **u8)
+    emap = torch.full((spec.num_experts,), -1, dtype=torch.int32)
+    emap[list(spec.local_experts)] = torch.arange(E, dtype=torch.int32)
+    return PreparedWeights(spec.scheme, H, I, spec.num_experts, spec.local_experts, E, emap.to(device),
+                           GateUpTensor(w13, GateUpLayout.INTERLEAVED),
+                           GateUpTensor(s13, GateUpLayout.INTERLEAVED, GateUpKind.ROWS), w2, s2)
+
+
 def make_routing(T: int, E: int, k: int, mode: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp32 weights, int32 ids) [T, k]: uniform random distinct experts, or Zipf-skewed popularity."""
     if mode == "uniform":
@@ -161,8 +180,9 @@ def floor_terms(spec, ids: torch.Tensor, x_bytes: int) -> tuple[float, float]:
     """(bytes, flops) the layer must move / do: distinct experts' weights + activations; 2*pairs*3*H*I."""
     H, I = spec.hidden_size, spec.intermediate_size
     hit = int(torch.unique(ids).numel())  # bench setup only: outside the timed region
-    w_bytes = 1 if spec.scheme.value == "fp8" else 2
-    per_expert = 3 * H * I * w_bytes
+    # bytes per weight: bf16 2, fp8 1, MXFP4 0.5 (e2m1) + 1/32 (one e8m0 byte per 32)
+    w_bytes = {"fp8": 1, "a16w4": 0.5 + 1 / 32, "a8w4": 0.5 + 1 / 32}.get(spec.scheme.value, 2)
+    per_expert = int(3 * H * I * w_bytes)
     if spec.scheme.value == "fp8":
         per_expert += 4 * (2 * math.ceil(I / 128) * math.ceil(H / 128) + math.ceil(H / 128) * math.ceil(I / 128))
     T = ids.shape[0]
@@ -192,7 +212,7 @@ def candidates(scheme: str, tokens: int, spec) -> list:
     from .kernels.tuning import TileConfig, heuristic
     base = heuristic(scheme, spec.hidden_size, spec.intermediate_size, spec.num_local_experts, spec.top_k, tokens)
     T = TileConfig
-    if scheme == "fp8":  # GEMM1 tile fixed at 256 x 128 (whole activation groups)
+    if scheme in ("fp8", "a8w4"):  # GEMM1 tile fixed at 256 x 128 (whole activation groups)
         small = [T(16, 256, 128, 4, 4, 64, 128, 4, 4), T(16, 256, 128, 4, 3, 128, 128, 4, 4),
                  T(16, 256, 128, 8, 4, 128, 128, 4, 5), T(32, 256, 128, 4, 4, 128, 128, 4, 4)]
         large = [T(64, 256, 128, 4, 4, 128, 128, 4, 4), T(64, 256, 128, 8, 3, 128, 128, 8, 3),
@@ -232,7 +252,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             spec = MoESpec(hidden_size=H, intermediate_size=I, num_experts=E, top_k=k, scheme=scheme)
             weights = random_weights(spec)
             ws = allocate_workspace(spec, max(args.tokens), "cuda")
-            rate = ceil["fp8_tflops" if scheme == "fp8" else "bf16_tflops"]
+            # compute floor at the MMA rate the scheme uses: fp8 dots for fp8 and a8w4, bf16 otherwise
+            rate = ceil["fp8_tflops" if scheme in ("fp8", "a8w4") else "bf16_tflops"]
             for T in args.tokens:
                 w, ids = make_routing(T, E, k, args.routing, gen)
                 x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
@@ -246,7 +267,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                              tbps=round(nbytes / us / 1e6, 3), tflops=round(flops / us / 1e6, 1), bytes=nbytes,
                              flops=flops, config=config, note=note)
                     rows.append(r)
-                    print(f"{name:16s} {scheme:4s} T={T:5d} {impl:12s} {us:10.1f} us  floor {floor_us:9.1f}  "
+                    print(f"{name:16s} {scheme:5s} T={T:5d} {impl:12s} {us:10.1f} us  floor {floor_us:9.1f}  "
                           f"frac {floor_us / us:5.3f}  {nbytes / us / 1e6:5.2f} TB/s  {config}", flush=True)
 
                 tuning_on = args.tune and time.monotonic() - t_start < args.tune_budget
@@ -311,9 +332,9 @@ def plot(rows: list[dict], ceil: dict[str, float], path: Path) -> None:
     for key, style in (("bf16_tflops", "-"), ("fp8_tflops", "--")):
         ax.plot(xs, [min(ceil[key], x * ceil["read_tbps"]) for x in xs], "k" + style, lw=1,
                 label=f"roof {key.split('_')[0]} ({ceil[key]:.0f} TFLOP/s, {ceil['read_tbps']:.2f} TB/s)")
-    markers = {"bf16": "o", "fp8": "s"}
+    markers = {"bf16": "o", "fp8": "s", "a16w4": "^", "a8w4": "D"}
     for impl, color in (("atom_moe", "tab:blue"), ("grouped_mm", "tab:orange")):
-        for scheme in ("bf16", "fp8"):
+        for scheme in markers:
             sel = [r for r in rows if r["impl"] == impl and r["scheme"] == scheme]
             if sel:
                 ax.scatter([r["flops"] / r["bytes"] for r in sel], [r["tflops"] for r in sel], c=color,

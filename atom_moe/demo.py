@@ -131,7 +131,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ep", type=int, default=1, help="simulated expert-parallel ranks (in this process)")
     parser.add_argument("--scheme", action="append", choices=[s.value for s in Scheme],
                         help="repeatable; default: all schemes")
-    parser.add_argument("--tokens", type=int, default=None, help="tokens in the batch (default 64 CPU, 512 GPU)")
+    parser.add_argument("--tokens", type=int, default=None, help="tokens in the batch (default 64 CPU, 256 GPU)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats (median reported)")
     parser.add_argument("--interpret", action="store_true",
@@ -147,8 +147,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"atom-moe demo: --ep must be >= 1, got {args.ep}")
     if args.interpret:
         os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are first imported
-    tokens = args.tokens or (512 if device.type == "cuda" else 64)
-    repeats = args.repeats or (20 if device.type == "cuda" else 3)
+    tokens = args.tokens or (256 if device.type == "cuda" else 64)
+    repeats = args.repeats or (5 if device.type == "cuda" else 3)
     schemes = [Scheme.parse(s) for s in (args.scheme or [s.value for s in Scheme])]
     paths = available_paths(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

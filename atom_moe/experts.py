@@ -1,5 +1,8 @@
 """The fused experts step on one GPU: routing metadata, GEMM1 (+SwiGLU, +fp8 quant), GEMM2 (+combine).
 
+Schemes: bf16, fp8 (e4m3 weights, 128x128 block scales), a16w4 (MXFP4 weights, bf16
+activations) and a8w4 (MXFP4 weights, e4m3 activations per token-group-128, fp8 dots).
+
 Three Triton launches per call, no host sync, every buffer in a `Workspace` that the
 caller may allocate once (`allocate_workspace`) and pass in, so the forward is
 CUDA-graph capturable and the caller sees every allocation.
@@ -20,7 +23,7 @@ from .weights import PreparedWeights
 if TYPE_CHECKING:
     from atom_moe.kernels.tuning import TileConfig
 
-SUPPORTED = (Scheme.BF16, Scheme.FP8)
+SUPPORTED = (Scheme.BF16, Scheme.FP8, Scheme.A16W4, Scheme.A8W4)
 
 
 def _kernels():
@@ -44,9 +47,9 @@ class Workspace:
     n_counters: int
     partial: torch.Tensor  # fp32 [max_tokens * top_k, H]: weighted GEMM2 rows, combined in slot order
     inter: torch.Tensor  # bf16 or e4m3 [rows, I]: GEMM2's input
-    inter_scale: torch.Tensor | None  # fp32 [rows, ceil(I/128)] (fp8)
-    x_q: torch.Tensor | None  # e4m3 [max_tokens, H] (fp8)
-    x_scale: torch.Tensor | None  # fp32 [max_tokens, ceil(H/128)] (fp8)
+    inter_scale: torch.Tensor | None  # fp32 [rows, ceil(I/128)] (fp8, a8w4)
+    x_q: torch.Tensor | None  # e4m3 [max_tokens, H] (fp8, a8w4)
+    x_scale: torch.Tensor | None  # fp32 [max_tokens, ceil(H/128)] (fp8, a8w4)
 
     def check(self, spec: MoESpec, num_tokens: int) -> None:
         """Raise ValueError unless this workspace fits `spec` and `num_tokens`."""
@@ -71,7 +74,7 @@ def allocate_workspace(spec: MoESpec, max_tokens: int, device: torch.device | st
     rows = routing.max_blocks(pairs, E_l, tuning.MAX_BLOCK_M) * tuning.MAX_BLOCK_M
     blocks = routing.max_blocks(pairs, E_l, tuning.MIN_BLOCK_M)
     n_counters = -(-H // tuning.MIN_BLOCK_N2)
-    fp8 = spec.scheme is Scheme.FP8
+    fp8 = spec.scheme.fp8_activations  # fp8 and a8w4: e4m3 activations per token-group-128
     i32 = dict(dtype=torch.int32, device=device)
     return Workspace(
         max_tokens=max_tokens, top_k=k, num_local=E_l, scheme=spec.scheme,
@@ -150,7 +153,7 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     cfg.check(spec.scheme.value)
     ws = workspace if workspace is not None else allocate_workspace(spec, T, x.device)
     ws.check(spec, T)
-    fp8 = spec.scheme is Scheme.FP8
+    fp8 = spec.scheme.fp8_activations  # fp8 and a8w4
     n_blocks = routing.max_blocks(T * k, E_l, cfg.block_m)
     routing.routing_metadata(topk_ids, weights.expert_map, E_l, cfg.block_m, ws.sorted_ids, ws.block_expert,
                              ws.cursor, x, out, ws.counters, ws.n_counters,

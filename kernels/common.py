@@ -42,18 +42,21 @@ def dot(a, b, acc, INTERP: tl.constexpr):
 def cast(v, dtype: tl.constexpr, EMULATE: tl.constexpr):
     """fp32 -> dtype, round to nearest even (e4m3 inputs must already be within +-448).
 
-    EMULATE (interpreter only): the interpreter's own casts truncate to bf16 and mis-round
-    e4m3 ties and binade carries, so round in fp32 first; the cast is then exact.
+    EMULATE (interpreter only): the interpreter's own casts truncate to bf16 (and flush bf16
+    subnormals) and mis-round e4m3 ties and binade carries, so round in fp32 first; the bf16
+    result is then a bitcast of the high half, the e4m3 cast is exact.
     """
     if EMULATE:
         if dtype == tl.bfloat16:
             bits = v.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            v = bits.to(tl.float32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            # bitcast, not .to(): the interpreter's own conversion also flushes bf16 subnormals
+            return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
         elif dtype == tl.float8e4nv:
             bits = v.to(tl.int32, bitcast=True)
             exp = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # e4m3 subnormals share exponent -6
             step = ((exp - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
             magic = step * 12582912.0  # 1.5 * 2**23 * step: adding it rounds to a multiple of step
-            v = (v + magic) - magic
+            r = (tl.abs(v) + magic) - magic
+            v = tl.where(bits < 0, r * -1.0, r)  # sign after rounding |v| (-r would be 0 - r: loses -0)
     return v.to(dtype)

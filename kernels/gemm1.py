@@ -1,5 +1,8 @@
 """GEMM1: grouped x @ w13^T over expert row blocks, SwiGLU in the epilogue, optional fp8 output.
 
+Weights: bf16, fp8 (128x128 block scales) or MXFP4 (a16w4 / a8w4: e2m1 bytes + e8m0 per 32,
+decoded in registers by kernels/mxfp4.py).
+
 Token rows are read through the sorted pair list (no permuted copy of x). w13 rows are
 INTERLEAVED (row 2j = gate j, row 2j+1 = up j), so a tile of BLOCK_N rows holds BLOCK_N/2
 complete (gate, up) pairs and the activation runs in registers. For fp8 the tile spans
@@ -16,6 +19,7 @@ import triton.language as tl
 from atom_moe.layout import GateUpLayout, GateUpTensor, require
 
 from .common import FP8_MAX, QGROUP, cast, dot, interpreting, tile_ids
+from .mxfp4 import tile_bf16, tile_e4m3
 
 GROUP = 128  # host-side twin of common.QGROUP
 
@@ -23,7 +27,7 @@ GROUP = 128  # host-side twin of common.QGROUP
 @triton.jit
 def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, bias_ptr, sorted_ptr, block_expert_ptr,
                   out_ptr, outs_ptr, num_pairs, top_k, hidden, inter, n_blocks, alpha, limit,
-                  FP8: tl.constexpr, OAI: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  FP8: tl.constexpr, W4: tl.constexpr, OAI: tl.constexpr, HAS_BIAS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, INTERP: tl.constexpr):
     n_out = 2 * inter
@@ -40,29 +44,51 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, bias_ptr, sorted_ptr, 
     n_ok = n < n_out
     kk = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok[:, None] * stride_x + kk[None, :]
-    w_ptrs = w_ptr + e64 * n_out * hidden + n[None, :].to(tl.int64) * hidden + kk[:, None]
+    n64 = n.to(tl.int64)
+    if W4:
+        # MXFP4: bytes [E, 2I, H/2] and e8m0 [E, 2I, H/32], decoded in registers (kernels/mxfp4.py)
+        kh = tl.arange(0, BLOCK_K // 2)
+        kg = tl.arange(0, BLOCK_K // 32)
+        w_ptrs = w_ptr + e64 * n_out * (hidden // 2) + n64[None, :] * (hidden // 2) + kh[:, None]
+        ws_ptrs = ws_ptr + e64 * n_out * (hidden // 32) + n64[None, :] * (hidden // 32) + kg[:, None]
+    else:
+        w_ptrs = w_ptr + e64 * n_out * hidden + n64[None, :] * hidden + kk[:, None]
     if FP8:
         k_groups = tl.cdiv(hidden, QGROUP)
         as_ptrs = xs_ptr + tok * k_groups
-        # output pair j = n // 2 uses scale [e, j // 128, n % 2, kb]
-        ws_ptrs = ws_ptr + e64 * (tl.cdiv(inter, QGROUP) * 2 * k_groups) \
-            + (n // 2 // QGROUP) * (2 * k_groups) + (n % 2) * k_groups
+        if not W4:
+            # output pair j = n // 2 uses scale [e, j // 128, n % 2, kb]
+            ws_ptrs = ws_ptr + e64 * (tl.cdiv(inter, QGROUP) * 2 * k_groups) \
+                + (n // 2 // QGROUP) * (2 * k_groups) + (n % 2) * k_groups
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         k_ok = (k0 + kk) < hidden
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if W4:
+            wb = tl.load(w_ptrs, mask=((k0 // 2 + kh) < hidden // 2)[:, None] & n_ok[None, :], other=0)
+            sb = tl.load(ws_ptrs, mask=((k0 // 32 + kg) < hidden // 32)[:, None] & n_ok[None, :], other=0)
+            if FP8:  # a8w4: e4m3 x e4m3 dot, per-32 scales factored into base x residual
+                w, w_s = tile_e4m3(wb, sb, BLOCK_K, BLOCK_N, INTERP)
+            else:  # a16w4: bf16 dot on the dequantized tile
+                w = tile_bf16(wb, sb, BLOCK_K, BLOCK_N, INTERP)
+        else:
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if FP8:
             kb = k0 // QGROUP
             a_s = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
-            w_s = tl.load(ws_ptrs + kb, mask=n_ok, other=0.0)
+            if not W4:
+                w_s = tl.load(ws_ptrs + kb, mask=n_ok, other=0.0)
             acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
         else:
             if x_ptr.dtype.element_ty != tl.bfloat16:  # the bf16 scheme computes in bf16
                 a = cast(a.to(tl.float32), tl.bfloat16, INTERP)
             acc = dot(a, w, acc, INTERP)
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+        if W4:
+            w_ptrs += BLOCK_K // 2
+            ws_ptrs += BLOCK_K // 32
+        else:
+            w_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(bias_ptr + e64 * n_out + n, mask=n_ok, other=0.0)[None, :]
     gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
@@ -100,20 +126,25 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
     w13 = require(w13_t, GateUpLayout.INTERLEAVED, "w13")
     w13_scale = None if w13_scale_t is None else require(w13_scale_t, GateUpLayout.INTERLEAVED, "w13_scale")
     w13_bias = None if w13_bias_t is None else require(w13_bias_t, GateUpLayout.INTERLEAVED, "w13_bias")
-    fp8 = w13_scale is not None
+    fp8 = x_scale is not None  # e4m3 activations (fp8, a8w4): quantized output too
+    w4 = w13.dtype == torch.uint8  # MXFP4 weights (a16w4, a8w4)
+    if fp8 != (out_scale is not None) or (w4 or fp8) != (w13_scale is not None):
+        raise ValueError("GEMM1: x_scale and out_scale go with e4m3 activations, w13_scale with fp8 or MXFP4 weights")
     num_tokens, hidden = x.shape
     inter = w13.shape[1] // 2
     if fp8 and (block_n != 2 * GROUP or block_k != GROUP):
         raise ValueError(f"fp8 GEMM1 needs block_n=256 and block_k=128 (one 128-group per tile), "
                          f"got block_n={block_n}, block_k={block_k}")
+    if w4 and (block_k < 32 or hidden % 32):
+        raise ValueError(f"MXFP4 GEMM1 needs block_k >= 32 and H % 32 == 0, got block_k={block_k}, H={hidden}")
     if block_n % 2:
         raise ValueError(f"GEMM1 block_n must be even (gate/up pairs), got {block_n}")
     grid = (n_blocks * triton.cdiv(2 * inter, block_n),)
     _gemm1_kernel[grid](
-        x, x.stride(0), x_scale if fp8 else x, w13, w13_scale if fp8 else w13,
+        x, x.stride(0), x_scale if fp8 else x, w13, w13_scale if w13_scale is not None else w13,
         w13_bias if w13_bias is not None else w13, sorted_ids, block_expert,
         out, out_scale if fp8 else out, num_tokens * top_k, top_k, hidden, inter, n_blocks,
         float(alpha), float(limit),
-        FP8=fp8, OAI=oai, HAS_BIAS=w13_bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        FP8=fp8, W4=w4, OAI=oai, HAS_BIAS=w13_bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         GROUP_M=group_m, INTERP=interpreting(), num_warps=num_warps, num_stages=num_stages,
     )

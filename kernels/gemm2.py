@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .common import QGROUP, cast, dot, interpreting, tile_ids
+from .mxfp4 import tile_bf16, tile_e4m3
 
 GROUP = 128  # host-side twin of common.QGROUP
 
@@ -23,7 +24,7 @@ GROUP = 128  # host-side twin of common.QGROUP
 def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, sorted_ptr, block_expert_ptr,
                   ids_ptr, emap_ptr, topk_w_ptr, partial_ptr, counters_ptr, n_counters, out_ptr, stride_out,
                   num_pairs, num_experts, hidden, inter, n_blocks,
-                  FP8: tl.constexpr, HAS_BIAS: tl.constexpr, TOPK: tl.constexpr, KP2: tl.constexpr,
+                  FP8: tl.constexpr, W4: tl.constexpr, HAS_BIAS: tl.constexpr, TOPK: tl.constexpr, KP2: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, INTERP: tl.constexpr):
     pid_m, pid_n = tile_ids(n_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
@@ -40,11 +41,20 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, sorted_ptr, block_expe
     n_ok = n < hidden
     kk = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows64[:, None] * inter + kk[None, :]
-    w_ptrs = w_ptr + e64 * hidden * inter + n[None, :].to(tl.int64) * inter + kk[:, None]
+    n64 = n.to(tl.int64)
+    if W4:
+        # MXFP4: bytes [E, H, I/2] and e8m0 [E, H, I/32], decoded in registers (kernels/mxfp4.py)
+        kh = tl.arange(0, BLOCK_K // 2)
+        kg = tl.arange(0, BLOCK_K // 32)
+        w_ptrs = w_ptr + e64 * hidden * (inter // 2) + n64[None, :] * (inter // 2) + kh[:, None]
+        ws_ptrs = ws_ptr + e64 * hidden * (inter // 32) + n64[None, :] * (inter // 32) + kg[:, None]
+    else:
+        w_ptrs = w_ptr + e64 * hidden * inter + n64[None, :] * inter + kk[:, None]
     if FP8:
         k_groups = tl.cdiv(inter, QGROUP)
         as_ptrs = as_ptr + rows64 * k_groups
-        ws_ptrs = ws_ptr + e64 * (tl.cdiv(hidden, QGROUP) * k_groups) + (n // QGROUP) * k_groups
+        if not W4:
+            ws_ptrs = ws_ptr + e64 * (tl.cdiv(hidden, QGROUP) * k_groups) + (n // QGROUP) * k_groups
     # Which of this token's slots are local (read before the K loop so the latency hides):
     # their count is the counter value that completes the token.
     tok = pair64 // TOPK
@@ -58,16 +68,29 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, sorted_ptr, block_expe
     for k0 in range(0, inter, BLOCK_K):
         k_ok = (k0 + kk) < inter
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if W4:
+            wb = tl.load(w_ptrs, mask=((k0 // 2 + kh) < inter // 2)[:, None] & n_ok[None, :], other=0)
+            sb = tl.load(ws_ptrs, mask=((k0 // 32 + kg) < inter // 32)[:, None] & n_ok[None, :], other=0)
+            if FP8:  # a8w4: e4m3 x e4m3 dot, per-32 scales factored into base x residual
+                w, w_s = tile_e4m3(wb, sb, BLOCK_K, BLOCK_N, INTERP)
+            else:  # a16w4: bf16 dot on the dequantized tile
+                w = tile_bf16(wb, sb, BLOCK_K, BLOCK_N, INTERP)
+        else:
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if FP8:
             kb = k0 // QGROUP
             a_s = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
-            w_s = tl.load(ws_ptrs + kb, mask=n_ok, other=0.0)
+            if not W4:
+                w_s = tl.load(ws_ptrs + kb, mask=n_ok, other=0.0)
             acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
         else:
             acc = dot(a, w, acc, INTERP)
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+        if W4:
+            w_ptrs += BLOCK_K // 2
+            ws_ptrs += BLOCK_K // 32
+        else:
+            w_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(bias_ptr + e64 * hidden + n, mask=n_ok, other=0.0)[None, :]
     weight = tl.load(topk_w_ptr + pair64, mask=row_ok, other=0.0).to(tl.float32)
@@ -98,20 +121,27 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
           partial: torch.Tensor, counters: torch.Tensor, n_counters: int, out: torch.Tensor, *,
           block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int, group_m: int = 8) -> None:
     """out[t] = sum_k w[t,k] * (act[row(t,k)] @ w2[e]^T (+bias)), deterministic combine."""
-    fp8 = w2_scale is not None
+    fp8 = a_scale is not None  # e4m3 activations (fp8, a8w4)
+    w4 = w2.dtype == torch.uint8  # MXFP4 weights (a16w4, a8w4): w2 [E, H, I/2]
+    if (w4 or fp8) != (w2_scale is not None):
+        raise ValueError("GEMM2: w2_scale goes with fp8 or MXFP4 weights")
     num_tokens, top_k = topk_ids.shape
-    hidden, inter = w2.shape[1], w2.shape[2]
+    hidden, inter = w2.shape[1], a.shape[1]
+    if w2.shape[2] != (inter // 2 if w4 else inter):
+        raise ValueError(f"GEMM2: w2 {tuple(w2.shape)} does not match the activation width I={inter}")
     if fp8 and block_k != GROUP:
         raise ValueError(f"fp8 GEMM2 needs block_k=128 (one activation group per step), got {block_k}")
+    if w4 and (block_k < 32 or inter % 32):
+        raise ValueError(f"MXFP4 GEMM2 needs block_k >= 32 and I % 32 == 0, got block_k={block_k}, I={inter}")
     if triton.cdiv(hidden, block_n) > n_counters:
         raise ValueError(f"GEMM2 block_n={block_n} needs {triton.cdiv(hidden, block_n)} counters per token, "
                          f"the workspace has {n_counters}")
     grid = (n_blocks * triton.cdiv(hidden, block_n),)
     _gemm2_kernel[grid](
-        a, a_scale if fp8 else a, w2, w2_scale if fp8 else w2, w2_bias if w2_bias is not None else w2,
+        a, a_scale if fp8 else a, w2, w2_scale if w2_scale is not None else w2, w2_bias if w2_bias is not None else w2,
         sorted_ids, block_expert, topk_ids, expert_map, topk_weights, partial, counters, n_counters,
         out, out.stride(0), num_tokens * top_k, expert_map.shape[0], hidden, inter, n_blocks,
-        FP8=fp8, HAS_BIAS=w2_bias is not None, TOPK=top_k, KP2=triton.next_power_of_2(top_k),
+        FP8=fp8, W4=w4, HAS_BIAS=w2_bias is not None, TOPK=top_k, KP2=triton.next_power_of_2(top_k),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, INTERP=interpreting(),
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -59,11 +59,16 @@ class TileConfig:
             raise ConfigError(f"block_m={self.block_m} exceeds the workspace bound {MAX_BLOCK_M}")
         if self.block_n2 < MIN_BLOCK_N2:
             raise ConfigError(f"block_n2={self.block_n2} is below {MIN_BLOCK_N2} (combine counters per token)")
-        if scheme == "fp8" and (self.block_n1, self.block_k1, self.block_k2) != (256, 128, 128):
-            raise ConfigError(f"fp8 needs block_n1=256, block_k1=128, block_k2=128 (whole 128-groups), got "
+        if scheme in FP8_ACT and (self.block_n1, self.block_k1, self.block_k2) != (256, 128, 128):
+            raise ConfigError(f"{scheme} needs block_n1=256, block_k1=128, block_k2=128 (whole 128-groups), got "
                               f"{self.block_n1}, {self.block_k1}, {self.block_k2}")
+        if scheme in MXFP4 and min(self.block_k1, self.block_k2) < 32:
+            raise ConfigError(f"{scheme} needs block_k1, block_k2 >= 32 (whole e8m0 scale blocks), got "
+                              f"{self.block_k1}, {self.block_k2}")
 
 
+FP8_ACT = ("fp8", "a8w4")  # e4m3 activations per token-group-128: whole groups per tile
+MXFP4 = ("a16w4", "a8w4")  # e2m1 weights with one e8m0 scale per 32 along K
 MAX_BLOCK_M = 128  # the workspace is sized for the largest BLOCK_M
 MIN_BLOCK_M = 16
 MIN_BLOCK_N2 = 32
@@ -124,7 +129,9 @@ def heuristic(scheme: str, hidden: int, inter: int, num_experts: int, top_k: int
     that won most often in the H200 tuning (kernels/configs/nvidia_h200.csv)."""
     rows = tokens * top_k / max(1, num_experts)  # rows per expert under uniform routing
     bm = 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 128 else 128
-    if scheme == "fp8":  # BLOCK_M 128 with a 256-wide fp32 tile spills: cap at 64
+    # MXFP4 schemes start from their activation twin's tiles (a8w4 ~ fp8, a16w4 ~ bf16); their
+    # own H200 rows come from `atom-moe bench --tune` (not measured yet).
+    if scheme in FP8_ACT:  # BLOCK_M 128 with a 256-wide fp32 tile spills: cap at 64
         if bm <= 32:
             return TileConfig(bm, 256, 128, 4, 4, 128, 128, 4, 4)
         return TileConfig(64, 256, 128, 8, 3, 128, 128, 8, 3)

@@ -89,6 +89,15 @@ CASES = [
     ("fp8", 256, 288, 8, 4, 19, "swiglu", True, "one_expert", None, None),
     ("fp8", 320, 160, 8, 2, 9, "oai", False, "random", (1, 2, 7), 4.0),  # gpt-oss clamp active
     ("fp8", 136, 200, 5, 3, 70, "swiglu", False, "sentinels", None, None),
+    # MXFP4 weights; H and I multiples of 32, several not of 128 (and not of 64)
+    ("a16w4", 160, 96, 4, 2, 5, "swiglu", False, "random", None, None),
+    ("a16w4", 224, 160, 6, 3, 21, "oai", True, "sentinels", None, 4.0),  # gpt-oss clamp active
+    ("a16w4", 256, 288, 8, 4, 19, "swiglu", True, "one_expert", (0, 2, 3, 6), None),
+    ("a16w4", 96, 224, 5, 3, 30, "oai", False, "random", None, None),
+    ("a8w4", 160, 96, 4, 2, 5, "oai", True, "random", None, None),
+    ("a8w4", 224, 160, 6, 3, 21, "swiglu", False, "sentinels", (1, 2, 4, 5), None),
+    ("a8w4", 256, 288, 8, 4, 19, "oai", True, "one_expert", None, 4.0),  # gpt-oss clamp active
+    ("a8w4", 96, 224, 5, 3, 70, "swiglu", True, "random", None, None),
 ]
 
 
@@ -107,7 +116,7 @@ def test_fused_experts_matches_reference(seed, case):
     assert torch.isfinite(got).all(), "unwritten or NaN output elements"
     twin = experts_torch(x, w, ids, p, spec)
     assert rel_err(got, twin) <= 1e-2
-    if scheme == "bf16":
+    if scheme in ("bf16", "a16w4"):
         assert rel_err(got, reference(x, w, ids, spec, p, act_quant=False)) <= 1e-2
     else:
         assert rel_err(got, reference(x, w, ids, spec, p, act_quant=True)) <= 1e-2
@@ -118,28 +127,32 @@ def test_fused_experts_matches_reference(seed, case):
             assert rel_err(got, reference(x, w, ids, spec, p, act_quant=False)) <= 5e-2
 
 
-@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+@pytest.mark.parametrize("scheme", ["bf16", "fp8", "a16w4", "a8w4"])
 def test_tile_configs_agree(seed, scheme):
     # every BLOCK_M / tile shape computes the same function (padding, partial tiles, K tails)
-    spec, p = make_layer(200, 136, 6, 3, scheme, device=DEVICE)
-    w, ids = make_routing(29, 6, 3, mode="sentinels", device=DEVICE)
-    x = torch.randn(29, 200, device=DEVICE).to(torch.bfloat16)
+    # MXFP4: multiples of 32, smaller (the interpreter's decode is slow)
+    H, I, T = (160, 96, 13) if scheme in ("a16w4", "a8w4") else (200, 136, 29)
+    spec, p = make_layer(H, I, 6, 3, scheme, device=DEVICE)
+    w, ids = make_routing(T, 6, 3, mode="sentinels", device=DEVICE)
+    x = torch.randn(T, H, device=DEVICE).to(torch.bfloat16)
     twin = experts_torch(x, w, ids, p, spec)
-    base = heuristic(scheme, 200, 136, 6, 3, 29)
+    base = heuristic(scheme, H, I, 6, 3, T)
     for bm, n2, k in ((16, 32, 32), (32, 64, 64), (64, 128, 128)):
-        n1, k1, k2 = (256, 128, 128) if scheme == "fp8" else (32, k, k)
+        n1, k1, k2 = (256, 128, 128) if scheme in ("fp8", "a8w4") else (32, k, k)
         cfg = TileConfig(bm, n1, k1, base.warps1, 2, n2, k2, base.warps2, 2, group_m=2)
         got = fused_experts(x, w, ids, p, spec, config=cfg)
         assert rel_err(got, twin) <= 1e-2, cfg
 
 
-@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
-@pytest.mark.parametrize("x_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("scheme,x_dtype", [("bf16", torch.float16), ("bf16", torch.float32),
+                                            ("fp8", torch.float16), ("fp8", torch.float32),
+                                            ("a16w4", torch.float16), ("a8w4", torch.float32)])
 def test_input_dtypes(seed, scheme, x_dtype):
     # fp16 / fp32 activations and bf16 routing weights: output in x.dtype, same math as the twin
-    spec, p = make_layer(200, 136, 6, 3, scheme, device=DEVICE)
-    w, ids = make_routing(21, 6, 3, mode="sentinels", device=DEVICE)
-    x = torch.randn(21, 200, device=DEVICE, dtype=x_dtype)
+    H, I, T = (160, 96, 9) if scheme in ("a16w4", "a8w4") else (200, 136, 21)
+    spec, p = make_layer(H, I, 6, 3, scheme, device=DEVICE)
+    w, ids = make_routing(T, 6, 3, mode="sentinels", device=DEVICE)
+    x = torch.randn(T, H, device=DEVICE, dtype=x_dtype)
     got = fused_experts(x, w.to(torch.bfloat16), ids, p, spec)
     assert got.dtype == x_dtype and torch.isfinite(got).all()
     assert rel_err(got, experts_torch(x, w.to(torch.bfloat16), ids, p, spec)) <= 1e-2
@@ -192,11 +205,79 @@ def test_bad_inputs_name_the_problem(seed, monkeypatch):
         if DEVICE == "cpu":
             with pytest.raises(ValueError, match="CUDA device"):
                 fused_experts(x, w, ids, p, spec)
+    fp4 = dataclasses.replace(spec, scheme="a16w4")
+    with pytest.raises(ValueError, match="do not match the spec"):  # bf16 weights, MXFP4 spec
+        fused_experts(x, w, ids, p, fp4)
     p.w13 = separate(p.w13)
     with pytest.raises(LayoutError, match="interleaved"):
         fused_experts(x, w, ids, p, spec)
-    fp4 = dataclasses.replace(spec, scheme="a16w4")
-    with pytest.raises(ValueError, match="supports schemes"):
-        fused_experts(x, w, ids, p, fp4)
-    with pytest.raises(ValueError, match="fp8 needs block_n1=256"):
-        TileConfig(16, 128, 128, 4, 2, 128, 128, 4, 2).check("fp8")
+    for scheme in ("fp8", "a8w4"):
+        with pytest.raises(ValueError, match=f"{scheme} needs block_n1=256"):
+            TileConfig(16, 128, 128, 4, 2, 128, 128, 4, 2).check(scheme)
+    with pytest.raises(ValueError, match="a16w4 needs block_k1, block_k2 >= 32"):
+        TileConfig(16, 128, 16, 4, 2, 128, 64, 4, 2).check("a16w4")
+
+
+# ---------------------------------------------------------------- MXFP4 tile decoders
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, equal zero signs, NaN where the other is NaN."""
+    return bool(((a == b) & (torch.signbit(a) == torch.signbit(b)) | (a.isnan() & b.isnan())).all())
+
+
+def test_mxfp4_decoders_bit_exact(seed):
+    # The kernels' in-register dequant equals formats.dequantize_mxfp4 bit for bit: every
+    # byte value (all 16 x 16 code pairs), every e8m0 byte (0 = 2^-127 subnormal ... 254, and
+    # 0xFF = NaN), K not a multiple of 128 (tail tile) and partial column tiles.
+    from atom_moe.kernels import mxfp4
+    N, K = 37, 288
+    packed = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8)
+    packed[0, :] = torch.arange(144, dtype=torch.uint8)
+    packed[1, :] = torch.arange(112, 256, dtype=torch.uint8)
+    scales = torch.randint(0, 256, (N, K // 32), dtype=torch.uint8)
+    scales[:, :2] = torch.tensor([0, 255], dtype=torch.uint8)
+    want = formats.dequantize_mxfp4(packed, scales)
+
+    def run(p, sc, e4m3):  # the kernels' decoders on DEVICE, compared on the host
+        return mxfp4.dequantize(p.to(DEVICE), sc.to(DEVICE), e4m3=e4m3).cpu()
+
+    assert _same_bits(run(packed, scales, False), want)  # a16w4's bf16 tile
+
+    # a8w4: e4m3 tile x per-column base is exact whenever a 128-K step's scales span <= 14
+    # binades (checkpoints: always); NaN scales propagate.
+    base = torch.randint(1, 240, (N, 1), dtype=torch.int32)
+    spread = torch.randint(0, 15, (N, K // 32), dtype=torch.int32)
+    s8 = (base + spread).to(torch.uint8)
+    s8[3, 4] = 255
+    want = formats.dequantize_mxfp4(packed, s8)
+    got = run(packed, s8, True)
+    assert _same_bits(got[:, :128], want[:, :128]) and _same_bits(got[:, 256:], want[:, 256:])
+    assert got[3, 128:256].isnan().all() and _same_bits(got[torch.arange(N) != 3], want[torch.arange(N) != 3])
+    # wider spreads round the smallest blocks onto the e4m3 grid: small absolute error only
+    wide = torch.randint(100, 140, (N, K // 32), dtype=torch.uint8)
+    got, want = run(packed, wide, True), formats.dequantize_mxfp4(packed, wide)
+    si = wide.int()
+    smax = torch.cat([si[:, g:g + 4].amax(1, keepdim=True).expand(-1, si[:, g:g + 4].shape[1])
+                      for g in range(0, si.shape[1], 4)], dim=1)  # max over each 128-K step
+    exact = (si >= smax - 14).repeat_interleave(32, dim=1)
+    assert _same_bits(got[exact], want[exact]) and (~exact).any()
+    assert ((got - want)[~exact].abs() <= 2.0 ** -8 * want.abs().amax()).all()
+
+
+def test_bench_floor_counts_mxfp4_bytes():
+    # atom-moe bench's floor: 0.5 byte per weight + 1/32 byte of e8m0 scale (vs 2 for bf16)
+    import argparse
+
+    from atom_moe import bench
+    from atom_moe.spec import MoESpec
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert parser.parse_args(["--schemes", "a16w4", "a8w4"]).schemes == ["a16w4", "a8w4"]
+    ids = torch.tensor([[0, 1], [1, 2], [2, 0]])
+    H, I = 2880, 2880
+    got = {}
+    for scheme in ("bf16", "a16w4", "a8w4"):
+        spec = MoESpec(hidden_size=H, intermediate_size=I, num_experts=4, top_k=2, scheme=scheme)
+        got[scheme] = bench.floor_terms(spec, ids, 2)
+    act = 3 * H * (2 + 2)
+    assert got["bf16"] == (3 * 3 * H * I * 2 + act, 2.0 * 6 * 3 * H * I)
+    assert got["a16w4"] == got["a8w4"] == (3 * 3 * H * I * 17 // 32 + act, got["bf16"][1])

@@ -20,7 +20,10 @@ def _fused():
     return allocate_workspace, fused_experts
 
 
-@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+ALL = ["bf16", "fp8", "a16w4", "a8w4"]
+
+
+@pytest.mark.parametrize("scheme", ALL)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s[0])
 def test_real_shapes(seed, scheme, shape):
     allocate_workspace, fused_experts = _fused()
@@ -32,9 +35,10 @@ def test_real_shapes(seed, scheme, shape):
         x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
         out = torch.full((T, H), float("nan"), device="cuda", dtype=torch.bfloat16)
         got = fused_experts(x, w, ids, p, spec, workspace=ws, out=out)
-        err_q = rel_err(got, reference(x, w, ids, spec, p, act_quant=scheme == "fp8"))
+        fp8_act = scheme in ("fp8", "a8w4")
+        err_q = rel_err(got, reference(x, w, ids, spec, p, act_quant=fp8_act))
         assert err_q <= 1e-2, (T, mode, err_q)
-        if scheme == "fp8":
+        if fp8_act:
             assert rel_err(got, reference(x, w, ids, spec, p, act_quant=False)) <= 5e-2
 
 
@@ -71,7 +75,7 @@ def test_int64_offsets(seed, scheme):
     assert rel_err(got, experts_torch(x, w, ids, p, spec)) <= 1e-2
 
 
-@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+@pytest.mark.parametrize("scheme", ALL)
 def test_cuda_graph_replay_with_new_routing(seed, scheme):
     allocate_workspace, fused_experts = _fused()
     from atom_moe.experts_torch import experts_torch
@@ -96,7 +100,7 @@ def test_cuda_graph_replay_with_new_routing(seed, scheme):
         assert rel_err(out, experts_torch(x, w, ids, p, spec)) <= 1e-2, mode
 
 
-@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+@pytest.mark.parametrize("scheme", ALL)
 def test_no_host_sync_and_three_launches(seed, scheme):
     allocate_workspace, fused_experts = _fused()
     spec, p = make_layer(1024, 384, 8, 4, scheme, device="cuda")
@@ -118,3 +122,31 @@ def test_no_host_sync_and_three_launches(seed, scheme):
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert 1 <= len(kernels) <= 3, kernels
+
+
+@pytest.mark.parametrize("scheme", ["a16w4", "a8w4"])
+def test_int64_offsets_mxfp4(seed, scheme):
+    # packed w13 holds > 2**31 bytes: the high experts' rows start past 2**31. Random codes and
+    # scales are built directly (quantizing 9 GB of bf16 would dominate the test).
+    from atom_moe.experts_torch import experts_torch
+    from atom_moe.layout import GateUpKind, GateUpLayout, GateUpTensor
+    from atom_moe.spec import MoESpec
+    from atom_moe.weights import PreparedWeights
+    _, fused_experts = _fused()
+    H, I, E, k = 4096, 2048, 264, 2
+    assert E * 2 * I * H // 2 > 2**31
+    spec = MoESpec(hidden_size=H, intermediate_size=I, num_experts=E, top_k=k, scheme=scheme)
+    w13 = torch.randint(0, 256, (E, 2 * I, H // 2), dtype=torch.uint8, device="cuda")
+    w2 = torch.randint(0, 256, (E, H, I // 2), dtype=torch.uint8, device="cuda")
+    s13 = torch.randint(116, 122, (E, 2 * I, H // 32), dtype=torch.uint8, device="cuda")  # ~2^-8: unit-ish rows
+    s2 = torch.randint(117, 123, (E, H, I // 32), dtype=torch.uint8, device="cuda")
+    p = PreparedWeights(spec.scheme, H, I, E, tuple(range(E)), E, torch.arange(E, dtype=torch.int32, device="cuda"),
+                        GateUpTensor(w13, GateUpLayout.INTERLEAVED),
+                        GateUpTensor(s13, GateUpLayout.INTERLEAVED, GateUpKind.ROWS), w2, s2)
+    T = 33
+    ids = torch.stack([torch.randperm(8)[:k] + E - 8 for _ in range(T)]).to(torch.int32).cuda()
+    ids[:, 0] = torch.randint(0, E, (T,), dtype=torch.int32).cuda()
+    w = torch.rand(T, k, device="cuda")
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    got = fused_experts(x, w, ids, p, spec)
+    assert rel_err(got, experts_torch(x, w, ids, p, spec)) <= 1e-2
