@@ -11,6 +11,9 @@ SUBCOMMANDS = {
     "demo": ("atom_moe.demo", "run a preset layer against the fp32 reference and print a table"),
     "bench": ("atom_moe.bench", "time the experts step against the measured roofline of this GPU"),
     "gsm8k": ("atom_moe.gsm8k", "GSM8K accuracy of a live OpenAI-compatible server (vLLM, SGLang)"),
+    "plan": ("atom_moe.plan", "largest safe token budget, memory per rank and engine flags for a MoE model"),
+    "accuracy": ("atom_moe.accuracy", "layer-level relative error of MegaMoE against the fp32 reference"),
+    "tune": ("atom_moe.tune", "tune the kernels' tile configs inside the MegaMoE op; write the CSV table"),
 }
 
 

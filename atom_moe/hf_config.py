@@ -1,0 +1,124 @@
+"""A layer preset or a HuggingFace `config.json` -> the MoESpec of one routed-experts layer.
+
+Shared by `atom-moe plan`, `accuracy` and `tune`. Understands the configs of
+DeepSeek-V3 / Kimi-K2 / GLM-4.5 (n_routed_experts, moe_intermediate_size,
+num_experts_per_tok, n_group, topk_group, routed_scaling_factor, scoring_func,
+first_k_dense_replace), gpt-oss (num_local_experts, intermediate_size, experts_per_token,
+swiglu_limit) and Qwen3-MoE (num_experts, moe_intermediate_size, num_experts_per_tok,
+norm_topk_prob, decoder_sparse_step, mlp_only_layers). The scheme comes from
+`quantization_config` (fp8 with 128x128 blocks -> fp8, mxfp4 -> a16w4, none -> bf16)
+unless the caller overrides it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .presets import PRESETS, preset
+from .spec import Activation, ActivationKind, MoESpec, Routing, Scheme, Scoring, SpecError
+
+# MoE decoder layers per preset (num_hidden_layers minus dense layers, from the same configs)
+PRESET_MOE_LAYERS = {"deepseek-v3": 58, "kimi-k2": 60, "gpt-oss-120b": 36, "qwen3-235b-a22b": 94, "glm-4.5": 89}
+
+
+@dataclass(frozen=True)
+class ModelLayer:
+    """The MoE layer of one model: its spec (TP = EP = 1) and how many decoder layers carry it."""
+
+    name: str
+    spec: MoESpec
+    moe_layers: int
+
+
+def load_model(source: str, scheme: str | Scheme | None = None) -> ModelLayer:
+    """A preset name or a path to a HF config.json (or its directory); `scheme` overrides the checkpoint's."""
+    path = Path(source)
+    if source.lower() in PRESETS:
+        key = source.lower()
+        spec = preset(key) if scheme is None else preset(key, scheme=scheme)
+        return ModelLayer(key, spec, PRESET_MOE_LAYERS[key])
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise SpecError(f"{source!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a config.json file")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SpecError(f"{path}: not a readable JSON config ({exc})") from None
+    if not isinstance(config, dict):
+        raise SpecError(f"{path}: expected a JSON object (a HuggingFace config.json)")
+    return spec_from_config(config, scheme, name=str(path))
+
+
+def _get(config: dict, *names: str, where: str):
+    for name in names:
+        if name in config:
+            return config[name]
+    raise SpecError(f"{where}: missing {' / '.join(names)} (needed for the MoE layer)")
+
+
+def config_scheme(config: dict, where: str = "config") -> Scheme:
+    """The expert weights' scheme from quantization_config (none -> bf16)."""
+    q = config.get("quantization_config")
+    if not q:
+        return Scheme.BF16
+    method = str(q.get("quant_method", "")).lower()
+    if method == "fp8":
+        block = q.get("weight_block_size")
+        if block is not None and list(block) != [128, 128]:
+            raise SpecError(f"{where}: fp8 weight_block_size {block} not supported; allowed: [128, 128]")
+        return Scheme.FP8
+    if method == "mxfp4":
+        return Scheme.A16W4
+    raise SpecError(f"{where}: quantization_config quant_method {method!r} not supported; allowed: fp8 "
+                    f"(128x128 blocks), mxfp4, or no quantization_config (bf16); or pass a scheme explicitly")
+
+
+def spec_from_config(config: dict, scheme: str | Scheme | None = None, *, name: str = "config") -> ModelLayer:
+    """The MoE layer of a HF config dict (see the module docstring for the families understood)."""
+    where = name
+    model_type = str(config.get("model_type", "")).lower()
+    H = int(_get(config, "hidden_size", where=where))
+    layers = int(_get(config, "num_hidden_layers", where=where))
+    sch = Scheme.parse(scheme) if scheme is not None else config_scheme(config, where)
+    if "n_routed_experts" in config:  # DeepSeek-V3, Kimi-K2, GLM-4.5
+        scoring = str(config.get("scoring_func", "sigmoid")).lower()
+        if scoring not in ("sigmoid", "softmax"):
+            raise SpecError(f"{where}: scoring_func {scoring!r} not supported; allowed: sigmoid, softmax")
+        # noaux_tc (DeepSeek-V3, Kimi-K2) and GLM-4.5's router use e_score_correction_bias
+        bias = str(config.get("topk_method", "noaux_tc")).lower() == "noaux_tc"
+        routing = Routing(Scoring(scoring), renormalize=bool(config.get("norm_topk_prob", True)),
+                          n_group=int(config.get("n_group") or 1), topk_group=int(config.get("topk_group") or 1),
+                          correction_bias=bias,
+                          routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)))
+        spec = MoESpec(hidden_size=H, intermediate_size=int(_get(config, "moe_intermediate_size", where=where)),
+                       num_experts=int(config["n_routed_experts"]),
+                       top_k=int(_get(config, "num_experts_per_tok", where=where)), scheme=sch, routing=routing)
+        every = int(config.get("moe_layer_freq", 1))
+        first = int(config.get("first_k_dense_replace", 0))
+        moe_layers = sum(1 for i in range(first, layers) if i % every == 0)
+    elif model_type == "gpt_oss" or "num_local_experts" in config:
+        spec = MoESpec(hidden_size=H, intermediate_size=int(_get(config, "intermediate_size", where=where)),
+                       num_experts=int(config["num_local_experts"]),
+                       top_k=int(_get(config, "experts_per_token", "num_experts_per_tok", where=where)), scheme=sch,
+                       activation=Activation(ActivationKind.SWIGLU_OAI, alpha=1.702,
+                                             limit=float(config.get("swiglu_limit", 7.0))),
+                       routing=Routing(Scoring.SOFTMAX, renormalize=True), has_bias=True)
+        moe_layers = layers
+    elif "num_experts" in config:  # Qwen3-MoE (and Qwen2-MoE-style configs)
+        spec = MoESpec(hidden_size=H, intermediate_size=int(_get(config, "moe_intermediate_size", where=where)),
+                       num_experts=int(config["num_experts"]),
+                       top_k=int(_get(config, "num_experts_per_tok", where=where)), scheme=sch,
+                       routing=Routing(Scoring.SOFTMAX, renormalize=bool(config.get("norm_topk_prob", False))))
+        step = int(config.get("decoder_sparse_step", 1))
+        dense = set(config.get("mlp_only_layers") or ())
+        moe_layers = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    else:
+        raise SpecError(f"{where}: no MoE fields found (model_type={model_type!r}); understood: n_routed_experts "
+                        f"(DeepSeek-V3, Kimi-K2, GLM-4.5), num_local_experts (gpt-oss), num_experts (Qwen3-MoE)")
+    if moe_layers < 1:
+        raise SpecError(f"{where}: no MoE layers among num_hidden_layers={layers}")
+    return ModelLayer(str(config.get("_name_or_path") or model_type or name), spec, moe_layers)
+

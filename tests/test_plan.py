@@ -1,0 +1,194 @@
+"""`atom-moe plan`: config parsing, weight and buffer bytes from the library's own sizing, limits, flags, exits."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from atom_moe.cli import main
+from atom_moe.ep import BufferLimitError, MegaMoE, check_limits
+from atom_moe.hf_config import PRESET_MOE_LAYERS, ModelLayer, load_model, spec_from_config
+from atom_moe.plan import GiB, PlanError, make_plan, prepared_weight_bytes
+from atom_moe.presets import PRESETS
+from atom_moe.spec import MoESpec, Scheme, SpecError
+from atom_moe.synthetic import random_layer
+from atom_moe.weights import prepare_stacked
+
+FP8_Q = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+# the MoE fields of the models' public config.json files
+CONFIGS = {
+    "deepseek-v3": dict(model_type="deepseek_v3", hidden_size=7168, moe_intermediate_size=2048, n_routed_experts=256,
+                        num_experts_per_tok=8, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+                        scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True, num_hidden_layers=61,
+                        first_k_dense_replace=3, moe_layer_freq=1, quantization_config=FP8_Q),
+    "kimi-k2": dict(model_type="kimi_k2", hidden_size=7168, moe_intermediate_size=2048, n_routed_experts=384,
+                    num_experts_per_tok=8, n_group=1, topk_group=1, routed_scaling_factor=2.827,
+                    scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True, num_hidden_layers=61,
+                    first_k_dense_replace=1, moe_layer_freq=1, quantization_config=FP8_Q),
+    "gpt-oss-120b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_local_experts=128,
+                         experts_per_token=4, num_experts_per_tok=4, num_hidden_layers=36, swiglu_limit=7.0,
+                         quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": ["router"]}),
+    "qwen3-235b-a22b": dict(model_type="qwen3_moe", hidden_size=4096, moe_intermediate_size=1536, num_experts=128,
+                            num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=94, decoder_sparse_step=1,
+                            mlp_only_layers=[]),
+    "glm-4.5": dict(model_type="glm4_moe", hidden_size=5120, moe_intermediate_size=1536, n_routed_experts=160,
+                    num_experts_per_tok=8, n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                    num_hidden_layers=92, first_k_dense_replace=3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_hf_config_gives_the_preset(name, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIGS[name]))
+    for layer in (spec_from_config(CONFIGS[name]), load_model(str(path)), load_model(str(tmp_path))):
+        assert layer.spec == PRESETS[name]
+        assert layer.moe_layers == PRESET_MOE_LAYERS[name]
+    assert load_model(str(path), "bf16").spec.scheme is Scheme.BF16
+
+
+def test_hf_config_errors_name_the_problem(tmp_path):
+    bad_q = dict(CONFIGS["deepseek-v3"], quantization_config={"quant_method": "awq"})
+    with pytest.raises(SpecError, match="quant_method 'awq' not supported; allowed: fp8"):
+        spec_from_config(bad_q)
+    with pytest.raises(SpecError, match=r"weight_block_size \[64, 64\] not supported"):
+        spec_from_config(dict(CONFIGS["deepseek-v3"], quantization_config=dict(FP8_Q, weight_block_size=[64, 64])))
+    missing = {k: v for k, v in CONFIGS["qwen3-235b-a22b"].items() if k != "moe_intermediate_size"}
+    with pytest.raises(SpecError, match="missing moe_intermediate_size"):
+        spec_from_config(missing)
+    with pytest.raises(SpecError, match="no MoE fields found"):
+        spec_from_config({"hidden_size": 4096, "num_hidden_layers": 32, "model_type": "llama"})
+    with pytest.raises(SpecError, match="neither a preset"):
+        load_model(str(tmp_path / "nope.json"))
+    (tmp_path / "broken.json").write_text("{not json")
+    with pytest.raises(SpecError, match="not a readable JSON config"):
+        load_model(str(tmp_path / "broken.json"))
+
+
+@pytest.mark.parametrize("scheme", list(Scheme))
+@pytest.mark.parametrize("bias", [False, True])
+def test_weight_bytes_equal_prepared_weights(scheme, bias, seed):
+    """The planned weight bytes are what prepare_stacked really builds (H, I not multiples of 128)."""
+    g = torch.Generator().manual_seed(seed)
+    H, I = (int(v) * 32 for v in torch.randint(2, 6, (2,), generator=g))  # MXFP4 needs multiples of 32
+    spec = MoESpec.create(hidden_size=H, intermediate_size=I, num_experts=4, top_k=2, scheme=scheme,
+                          has_bias=bias).for_rank(1, 2)
+    raw = random_layer(spec, generator=g)
+    prepared = prepare_stacked(spec, raw.w13, raw.w2, layout="separated", w13_bias=raw.w13_bias, w2_bias=raw.w2_bias)
+    assert prepared_weight_bytes(spec) == prepared.nbytes()
+
+
+SMALL = MoESpec.create(hidden_size=320, intermediate_size=192, num_experts=8, top_k=3, scheme="fp8")
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_op_allocates_the_planned_bytes_local(backend, monkeypatch, seed):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the op accepts the triton backend on the CPU only then
+    tokens = int(torch.randint(1, 200, (1,)).item())
+    plan = make_plan(ModelLayer("small", SMALL, 2), ep=1, tokens=tokens, gpu_bytes=GiB, reserve_bytes=0,
+                     experts_backend=backend)
+    assert not plan.problems and plan.transport == "local"
+    with MegaMoE(SMALL, max_tokens_per_rank=tokens, experts_backend=backend, device="cpu") as op:
+        assert op.allocated_bytes() == plan.buffer_bytes
+    assert (plan.buffer_bytes > 0) == (backend == "triton")
+
+
+@pytest.mark.parametrize("wire", ["bf16", "fp8"])
+def test_op_allocates_the_planned_bytes_torch_transport(wire, monkeypatch, seed):
+    """The torch transport's buffers (a 1-rank gloo group) and the Triton workspace, at the planned size."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    tokens = int(torch.randint(1, 100, (1,)).item())
+    plan = make_plan(ModelLayer("small", SMALL, 2), ep=1, tokens=tokens, gpu_bytes=GiB, wire="bf16",
+                     experts_backend="triton", transport="torch")
+    if wire == "fp8":  # make_plan refuses the fp8 wire at EP 1 (engines run local there): plan it directly
+        from atom_moe.ep import buffer_sizes
+        plan.buffer_bytes = sum(buffer_sizes(SMALL, 1, tokens, "fp8", transport="torch",
+                                             experts_backend="triton").values())
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with MegaMoE(SMALL, max_tokens_per_rank=tokens, transport="torch", wire=wire, experts_backend="triton",
+                     device="cpu") as op:
+            assert op.allocated_bytes() == plan.buffer_bytes
+    finally:
+        dist.destroy_process_group()
+
+
+def test_largest_budget_is_exact():
+    """At the reported maxima the library's check_limits and the memory sum pass; one token more fails."""
+    layer = load_model("deepseek-v3")
+    plan = make_plan(layer, ep=8, gpu_bytes=int(140.4 * GiB), reserve_bytes=10 * GiB)
+    assert plan.max_tokens_int32 == 1170  # docs/ep.md: DeepSeek-V3 EP8, Triton workspace
+    spec = layer.spec.for_rank(0, 8)
+    check_limits(spec, 8, 1170, experts_backend="triton")
+    with pytest.raises(BufferLimitError):
+        check_limits(spec, 8, 1171, experts_backend="triton")
+    # a GPU just large enough for 700 tokens: memory binds, exactly at 700
+    at700 = make_plan(layer, ep=8, tokens=700, gpu_bytes=GiB, reserve_bytes=0)
+    need = at700.weight_bytes + at700.buffer_bytes
+    tight = make_plan(layer, ep=8, gpu_bytes=need, utilization=1.0, reserve_bytes=0)
+    assert tight.max_tokens_memory == 700 and tight.tokens == 700 and not tight.problems
+    over = make_plan(layer, ep=8, tokens=701, gpu_bytes=need, utilization=1.0, reserve_bytes=0)
+    assert over.problems and "largest budget that fits is 700" in over.problems[0]
+
+
+def _flags(out: str, engine: str) -> str:
+    return next(line for line in out.splitlines() if line.strip().startswith(f"{engine}:"))
+
+
+def test_cli_prints_plan_and_engine_flags(capsys):
+    assert main(["plan", "kimi-k2", "--dp", "16", "--gpu-memory-gib", "140", "--tokens", "512",
+                 "--model-path", "moonshotai/Kimi-K2-Instruct"]) == 0
+    out = capsys.readouterr().out
+    assert "EP 16 (24 experts per rank)" in out and "60 MoE layers" in out
+    assert re.search(r"workspace\.partial \[65536, 7168\] float32 bytes +1,879,048,192 +1\.14x", out)
+    vllm, sglang = _flags(out, "vllm"), _flags(out, "sglang")
+    assert ("ATOM_USE_FLYDSL_FUSED=1 vllm serve moonshotai/Kimi-K2-Instruct --tensor-parallel-size 1 "
+            "--data-parallel-size 16 --enable-expert-parallel --max-num-batched-tokens 512 "
+            "--gpu-memory-utilization 0.90") in vllm
+    # SGLang divides --chunked-prefill-size by the DP size under --enable-dp-attention: 512 per rank x 16
+    assert ("ATOM_USE_FLYDSL_FUSED=1 python -m sglang.launch_server --model-path moonshotai/Kimi-K2-Instruct "
+            "--tp-size 16 --ep-size 16 --dp-size 16 --enable-dp-attention --moe-a2a-backend megamoe") in sglang
+    assert ("--chunked-prefill-size 8192 --max-running-requests 512 --cuda-graph-max-bs-decode 512 "
+            "--mem-fraction-static 0.90") in sglang
+    assert main(["plan", "gpt-oss-120b", "--gpu-memory-gib", "140", "--tokens", "256"]) == 0
+    out = capsys.readouterr().out  # EP 1: the experts step alone; small budgets cap the graphs and batches
+    assert ("ATOM_USE_FLYDSL=1 vllm serve gpt-oss-120b --tensor-parallel-size 1 --data-parallel-size 1 "
+            "--max-num-batched-tokens 256") in _flags(out, "vllm")
+    assert "--max-num-seqs 256 --compilation-config '{\"max_cudagraph_capture_size\": 256}'" in _flags(out, "vllm")
+    assert "--tp-size 1 --disable-shared-experts-fusion --chunked-prefill-size 256" in _flags(out, "sglang")
+
+
+def test_cli_exit_1_when_the_budget_overflows(capsys):
+    assert main(["plan", "deepseek-v3", "--ep", "8", "--gpu-memory-gib", "140", "--tokens", "4096"]) == 1
+    captured = capsys.readouterr()
+    assert "workspace.partial" in captured.err and "largest safe budget is 1170" in captured.err
+    assert "engine flags" not in captured.out and "DOES NOT FIT" in captured.out
+    assert main(["plan", "deepseek-v3", "--ep", "8", "--gpu-memory-gib", "80", "--tokens", "512"]) == 1
+    assert "but the engine gets 72.00 GiB" in capsys.readouterr().err  # 76 GiB of fp8 experts alone
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["deepseek-v3", "--tp", "2", "--dp", "4"], "runs with attention TP 1"),
+    (["deepseek-v3", "--ep", "8", "--dp", "4"], "EP size must equal TP x DP = 4"),
+    (["deepseek-v3", "--ep", "3"], "num_experts divisible by the EP world size"),
+    (["deepseek-v3", "--wire", "fp8"], "--wire fp8 needs EP > 1"),
+    (["llama-3", "--ep", "8"], "neither a preset"),
+    (["deepseek-v3", "--ep", "8", "--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),
+    (["deepseek-v3", "--ep", "8", "--tokens", "0"], "--tokens must be a positive int"),
+])
+def test_cli_bad_input_exit_2(argv, message, capsys):
+    assert main(["plan", *argv, "--gpu-memory-gib", "140"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_plan_error_for_triton_on_unsupported_scheme(monkeypatch):
+    import atom_moe.experts as experts
+    monkeypatch.setattr(experts, "SUPPORTED", (Scheme.BF16,))
+    with pytest.raises(PlanError, match="do not take scheme fp8 yet"):
+        make_plan(load_model("deepseek-v3"), ep=8, gpu_bytes=140 * GiB, experts_backend="triton")
+    plan = make_plan(load_model("deepseek-v3"), ep=8, gpu_bytes=140 * GiB)  # auto -> torch experts
+    assert plan.backend == "torch" and not any(n.startswith("workspace.") for n in plan.buffers)
