@@ -24,6 +24,8 @@ ensure_python() {  # ensure_python EXTRAS -> sets PY
     if [ ! -f "$venv/.ready" ]; then
         echo "atom_moe: building $venv (once)" >&2
         rm -rf "$venv"
+        # drop envs built from older pyproject/env.sh versions: each is ~2.5 GB
+        find "$cache" -maxdepth 1 -name "venv-*-$extras-*" -type d -exec rm -rf {} + 2>/dev/null || true
         mkdir -p "$cache"
         python3 -m venv "$venv"
         "$venv/bin/pip" install -q --upgrade pip setuptools wheel

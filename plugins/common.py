@@ -1,0 +1,202 @@
+"""Engine-neutral plugin pieces: flags, the start-up line, layer specs, limits, warn-once.
+
+The vLLM plugin (atom_moe.plugins.vllm) uses these; the SGLang plugin will too. Nothing
+here imports an engine.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ..spec import Activation, MoESpec, Placement, Scheme
+
+FLAG_FUSED = "ATOM_USE_FLYDSL_FUSED"  # full fused EP path: our dispatch + experts + combine
+FLAG_EXPERTS = "ATOM_USE_FLYDSL"  # our experts step; the engine keeps its dispatch and combine
+FLAG_KERNELS_PATH = "ATOM_FLYDSL_KERNELS_PATH"  # extra tuned tables (read by atom_moe.kernels.tuning)
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+class FlagError(ValueError):
+    """An ATOM_* environment flag with a value we cannot read."""
+
+
+class Mode(str, enum.Enum):
+    """What the plugin replaces."""
+
+    OFF = "off"  # nothing: the engine runs exactly as without the plugin
+    EXPERTS = "experts"  # ATOM_USE_FLYDSL=1: our experts step inside the engine's dispatch/combine
+    FUSED = "fused"  # ATOM_USE_FLYDSL_FUSED=1: MegaMoE dispatch + experts + combine (DP+EP layers)
+
+
+@dataclass(frozen=True)
+class Flags:
+    """The plugin's settings, read from the environment."""
+
+    mode: Mode
+    kernels_path: str | None = None
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    raw = env.get(name, "")
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise FlagError(f"{name}={raw!r} is not a boolean; use 1 (on) or 0 (off)")
+
+
+def parse_flags(env: Mapping[str, str] | None = None) -> Flags:
+    """Read ATOM_USE_FLYDSL_FUSED / ATOM_USE_FLYDSL / ATOM_FLYDSL_KERNELS_PATH; raise FlagError on bad values."""
+    env = os.environ if env is None else env
+    fused, experts = _flag(env, FLAG_FUSED), _flag(env, FLAG_EXPERTS)
+    mode = Mode.FUSED if fused else Mode.EXPERTS if experts else Mode.OFF
+    path = env.get(FLAG_KERNELS_PATH, "").strip() or None
+    if path is not None and mode is not Mode.OFF:
+        missing = [p for p in path.split(os.pathsep) if p and not os.path.isdir(p)]
+        if missing:
+            raise FlagError(f"{FLAG_KERNELS_PATH} names folders that do not exist: {', '.join(missing)} "
+                            f"(a {os.pathsep}-separated list of folders of tuned-table CSV files)")
+    return Flags(mode, path)
+
+
+def versions() -> dict[str, str]:
+    """Versions worth naming in a start-up or bug-report line."""
+    from .. import __version__
+
+    out = {"atom_moe": __version__, "torch": torch.__version__}
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        out["triton"] = "absent"
+    return out
+
+
+def startup_line(engine: str, engine_version: str, flags: Flags, detail: str = "") -> str:
+    """The one line a plugin logs when it activates: mode, flags, versions."""
+    v = versions()
+    what = {
+        Mode.FUSED: f"{FLAG_FUSED}=1: MegaMoE fused dispatch + experts + combine on DP+EP layers, "
+                    "our experts step on the others",
+        Mode.EXPERTS: f"{FLAG_EXPERTS}=1: our experts step; {engine} keeps its dispatch and combine",
+        Mode.OFF: "off",
+    }[flags.mode]
+    tables = flags.kernels_path or "built-in"
+    line = (f"atom_moe {v['atom_moe']} active in {engine} {engine_version} (torch {v['torch']}, "
+            f"triton {v['triton']}): {what}; tuned tables: {tables}")
+    return f"{line}; {detail}" if detail else line
+
+
+_warned: set[str] = set()
+
+
+def warn_once(logger: logging.Logger, key: str, message: str) -> bool:
+    """Log `message` as a warning the first time `key` is seen in this process; True if logged."""
+    if key in _warned:
+        return False
+    _warned.add(key)
+    logger.warning(message)
+    return True
+
+
+def local_experts_from_map(expert_map: torch.Tensor | None, num_experts: int) -> tuple[int, ...]:
+    """Global expert ids in local-slot order from an engine's expert map (global id -> slot or -1).
+
+    Read once at weight-processing time (a host copy of a [E] table), never per forward.
+    None means every expert is local (no expert parallelism).
+    """
+    if expert_map is None:
+        return tuple(range(num_experts))
+    table = expert_map.detach().to("cpu", torch.int64)
+    if table.dim() != 1 or table.numel() != num_experts:
+        raise ValueError(f"expert map must be [num_experts={num_experts}], got {tuple(table.shape)}")
+    slots = {int(slot): e for e, slot in enumerate(table.tolist()) if slot >= 0}
+    if sorted(slots) != list(range(len(slots))):
+        raise ValueError(f"expert map slots must be 0..L-1 without gaps, got {sorted(slots)}")
+    return tuple(slots[s] for s in range(len(slots)))
+
+
+def layer_spec(*, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, scheme: Scheme,
+               activation: Activation, has_bias: bool, local_experts: tuple[int, ...], ep_rank: int,
+               ep_size: int, max_tokens_per_rank: int) -> MoESpec:
+    """The MoESpec of one engine layer as this rank sees it (local experts from the engine's map)."""
+    return MoESpec(hidden_size=hidden_size, intermediate_size=intermediate_size, num_experts=num_experts,
+                   top_k=top_k, scheme=scheme, activation=activation,
+                   placement=Placement(ep_rank, ep_size, tuple(local_experts)),
+                   max_tokens_per_rank=max_tokens_per_rank, has_bias=has_bias)
+
+
+def tokens_per_rank(max_num_batched_tokens: int, capture_sizes: list[int] | tuple[int, ...] | None = None,
+                    max_capture_size: int | None = None) -> int:
+    """The most tokens one rank can feed one MoE call: the scheduler's budget or the largest graph."""
+    sizes = [int(max_num_batched_tokens)] + [int(s) for s in (capture_sizes or ())]
+    if max_capture_size:
+        sizes.append(int(max_capture_size))
+    return max(sizes)
+
+
+class LimitError(ValueError):
+    """A start-up limit (int32 range or device memory) that the engine's settings exceed."""
+
+
+def check_start_limits(spec: MoESpec, *, ep_size: int, tokens: int, wire: str, transport: str,
+                       experts_backend: str, free_bytes: int | None, flag: str, scale: int = 1) -> int:
+    """Raise LimitError naming the largest safe engine setting if `tokens` per rank does not fit; return bytes.
+
+    `tokens` is what one rank's buffers must hold (the engine setting times `scale`, e.g.
+    the DP size when the engine gathers every rank's tokens first); `flag` names the
+    engine setting in the message. Checks the int32 byte/index guard of every buffer and,
+    when `free_bytes` is given, that the buffers fit in free device memory.
+    """
+    from ..ep.buffers import BufferLimitError, buffer_sizes, check_limits
+
+    def setting(rows: int) -> int:
+        return rows // scale
+
+    try:
+        check_limits(spec, ep_size, tokens, wire, transport=transport, experts_backend=experts_backend)
+    except BufferLimitError as exc:
+        safe = _largest(lambda t: _fits_int32(spec, ep_size, t, wire, transport, experts_backend), tokens)
+        raise LimitError(f"{flag}={setting(tokens)} is too large for this MoE layer: {exc} "
+                         f"The largest safe {flag} is {setting(safe)}.") from None
+    need = sum(buffer_sizes(spec, ep_size, tokens, wire, transport=transport, experts_backend=experts_backend).values())
+    if free_bytes is not None and need > free_bytes:
+        def fits(t: int) -> bool:
+            sizes = buffer_sizes(spec, ep_size, t, wire, transport=transport, experts_backend=experts_backend)
+            return sum(sizes.values()) <= free_bytes
+        safe = _largest(fits, tokens)
+        raise LimitError(f"{flag}={setting(tokens)} needs {need / 2**30:.2f} GiB of MoE buffers per rank but only "
+                         f"{free_bytes / 2**30:.2f} GiB is free; the largest safe {flag} is {setting(safe)}")
+    return need
+
+
+def _fits_int32(spec, ep_size, tokens, wire, transport, backend) -> bool:
+    from ..ep.buffers import BufferLimitError, check_limits
+
+    try:
+        check_limits(spec, ep_size, tokens, wire, transport=transport, experts_backend=backend)
+    except BufferLimitError:
+        return False
+    return True
+
+
+def _largest(fits, upper: int) -> int:
+    """The largest t in [0, upper] with fits(t), for a monotone predicate (0 if none)."""
+    lo, hi = 0, upper
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -1,0 +1,147 @@
+"""The AROUND hooks the SGLang plugin registers (see __init__.py for which targets).
+
+A layer is ours once `process_weights_after_loading` has built its prepared weights
+(`layer.atom_moe` is set, SGLang's expert parameters are gone); from then on every
+forward of that layer must run here. Layers we do not take keep SGLang's method and
+forward untouched, after one warning per reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ...weights import PreparedWeights
+from ..common import FLAG_FUSED, Flags, Mode, warn_once
+from . import log
+from .weights import LayerPlan, build_weights, plan_layer
+
+_flags: Flags | None = None
+_shared: dict = {}  # per process: one MegaMoE op / experts workspace per layer shape, built at load
+_fused_layers = 0  # layers on the MegaMoE path in this process
+_fused_ok = True  # this SGLang lets us tell it that MegaMoE's output is complete
+
+
+@dataclass
+class LayerState:
+    """One layer's plan, prepared weights and (shared) runtime objects."""
+
+    plan: LayerPlan
+    weights: PreparedWeights
+    op: object | None = None  # MegaMoE (fused)
+    workspace: object | None = field(default=None, repr=False)  # fused_experts workspace (triton backend)
+
+
+def configure(flags: Flags, fused_ok: bool = True) -> None:
+    """Set the flags the hooks act on (called by register); fused_ok False keeps layers off MegaMoE."""
+    global _flags, _fused_ok
+    _flags, _fused_ok = flags, fused_ok
+
+
+def process_weights_after_loading(orig, method, layer) -> None:
+    """Build our weights for layers we take and free SGLang's; others go through SGLang's method."""
+    global _fused_layers
+    if _flags is None or _flags.mode is Mode.OFF or getattr(layer, "atom_moe", None) is not None:
+        return orig(method, layer)
+    fused = _flags.mode is Mode.FUSED and _fused_ok
+    plan = plan_layer(layer, method, fused)  # LimitError propagates: a start-up error
+    if isinstance(plan, str):
+        from sglang.srt.layers.moe.utils import get_moe_a2a_backend
+
+        if fused and get_moe_a2a_backend().is_megamoe():
+            # SGLang's own path under megamoe would not sum this layer the way our hook tells it to
+            raise RuntimeError(f"atom_moe: {FLAG_FUSED}=1 with --moe-a2a-backend megamoe cannot run "
+                               f"{getattr(layer, 'layer_name', '?')}: {plan}. Unset {FLAG_FUSED} or use "
+                               "--moe-a2a-backend none (our experts step)")
+        name = type(method).__name__
+        warn_once(log, f"fallback:{name}:{plan}", f"atom_moe: MoE layers using {name} keep SGLang's own path: "
+                                                  f"{plan} (first: {getattr(layer, 'layer_name', '') or '?'})")
+        return orig(method, layer)
+    weights = build_weights(layer, plan)
+    state = LayerState(plan, weights)
+    _build_runtime(state, weights.w2.device)
+    layer.atom_moe = state  # the tag: this layer runs on our prepared weights
+    _fused_layers += int(plan.fused)
+
+
+def _build_runtime(state: LayerState, device: torch.device) -> None:
+    """Allocate now (before SGLang sizes its KV pool) everything a forward uses; nothing grows later."""
+    plan = state.plan
+    key = (plan.spec, plan.fused, plan.backend, plan.tokens, device)
+    if key not in _shared:
+        if plan.fused:
+            from sglang.srt.distributed.parallel_state import get_moe_ep_group
+
+            from ...ep import MegaMoE
+
+            ep = get_moe_ep_group()
+            _shared[key] = MegaMoE(plan.spec, ep.device_group, cpu_group=ep.cpu_group,
+                                   max_tokens_per_rank=plan.tokens, transport="auto",
+                                   experts_backend=plan.backend, device=device)
+        elif plan.backend == "triton":
+            from ...experts import allocate_workspace
+
+            _shared[key] = allocate_workspace(plan.spec, plan.tokens, device)
+        else:
+            _shared[key] = None  # experts_torch needs no workspace
+    if plan.fused:
+        state.op = _shared[key]
+    else:
+        state.workspace = _shared[key]
+
+
+def _routing(topk_output) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights, topk_ids) from SGLang's top-k output (standard, or lazy 'bypassed')."""
+    from sglang.srt.layers.moe.topk import TopKOutputChecker
+
+    if TopKOutputChecker.format_is_bypassed(topk_output):
+        topk_output = topk_output.to_standard()
+    if not TopKOutputChecker.format_is_standard(topk_output):
+        raise RuntimeError(f"atom_moe: top-k output format {topk_output.format.name} reached a layer on our path "
+                           "(only standard top-k is taken at load time)")
+    return topk_output.topk_weights.contiguous(), topk_output.topk_ids.contiguous()
+
+
+def forward_impl(orig, layer, hidden_states: torch.Tensor, topk_output, *args, **kwargs) -> torch.Tensor:
+    """Our MoE output for a layer we built, else SGLang's own forward_impl."""
+    state: LayerState | None = getattr(layer, "atom_moe", None)
+    if state is None:
+        return orig(layer, hidden_states, topk_output, *args, **kwargs)
+    plan = state.plan
+    weights, ids = _routing(topk_output)
+    # padded graph rows carry topk_ids = num_experts (or -1): they contribute nothing below
+    x = hidden_states if hidden_states.is_contiguous() else hidden_states.contiguous()
+    if plan.fused:
+        out = state.op.bind(state.weights).forward(x, weights, ids)
+    elif plan.backend == "triton":
+        from ...experts import fused_experts
+
+        out = fused_experts(x, weights, ids, state.weights, plan.spec, workspace=state.workspace)
+    else:
+        from ...experts_torch import experts_torch
+
+        out = experts_torch(x, weights, ids, state.weights, plan.spec)
+    if plan.scale != 1.0:
+        out = out * plan.scale  # SGLang's runners apply routed_scaling_factor to the expert sum
+    if plan.all_reduce:
+        from sglang.srt.distributed import tensor_model_parallel_all_reduce
+
+        out = tensor_model_parallel_all_reduce(out)
+    return out
+
+
+def post_experts_output_is_complete(orig, *args, **kwargs) -> bool:
+    """True once MegaMoE layers exist: their combine already summed every token over EP."""
+    return _fused_layers > 0 or orig(*args, **kwargs)
+
+
+def reset_for_tests() -> None:
+    """Forget the shared runtime objects (tests build several engines in one process)."""
+    global _fused_layers
+    for obj in _shared.values():
+        close = getattr(obj, "close", None)
+        if close is not None:
+            close()
+    _shared.clear()
+    _fused_layers = 0

@@ -1,0 +1,326 @@
+"""Our RoutedExperts / MoE method for vLLM 0.30-0.33 (imported only once a flag is on).
+
+Hook: `RoutedExperts` is a vLLM PluggableLayer, so `RoutedExperts.register_oot` makes
+`FusedMoEFactory` build `AtomRoutedExperts` instead. Its `_get_quant_method` asks vLLM
+for the method it would use (quant methods are not CustomOps, so this is the one place
+that sees all of them) and wraps the ones we support in `AtomMoEMethod`:
+
+* `create_weights` is vLLM's own, so vLLM's weight loader fills the usual parameters;
+* `process_weights_after_loading` builds our PreparedWeights from them and deletes
+  vLLM's parameters (the KV cache gets that memory);
+* `apply` runs our experts step (vLLM routes, and in TP/EP also all-reduces), or in
+  fused mode the MegaMoE op (our dispatch + experts + combine, vLLM's dispatch off).
+
+`apply` is a plain method, not a CustomOp forward, so the same path runs with and
+without Inductor (vLLM calls `quant_method.apply` in both).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.distributed import get_ep_group, get_tensor_model_parallel_world_size
+from vllm.model_executor.custom_op import op_registry_oot
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
+from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4Config, GptOssMxfp4MoEMethod
+
+from ...layout import GateUpLayout
+from ...spec import Activation, ActivationKind, MoESpec, Scheme, SpecError
+from ...weights import PreparedWeights, prepare_stacked
+from ..common import (FLAG_FUSED, Flags, LimitError, Mode, check_start_limits, layer_spec, local_experts_from_map,
+                      tokens_per_rank, warn_once)
+from . import log
+
+# vLLM parameters each scheme's weights arrive in (w13, w2, w13 scale, w2 scale).
+_PARAMS = {
+    Scheme.BF16: ("w13_weight", "w2_weight", None, None),
+    Scheme.FP8: ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv"),
+    Scheme.A16W4: ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"),
+}
+_BIASES = ("w13_bias", "w2_bias")
+
+_flags: Flags | None = None
+_shared: dict = {}  # per process: one MegaMoE op / experts workspace per layer shape (built at load, reused)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """How one vLLM MoE layer runs on our path (decided at construction)."""
+
+    spec: MoESpec
+    layout: GateUpLayout  # gate/up layout of vLLM's w13 (and its scales, bias)
+    fused: bool  # MegaMoE dispatch + experts + combine (DP+EP); else the experts step only
+    backend: str  # experts backend: "triton" (fused_experts) or "torch" (experts_torch)
+    tokens: int  # rows the experts step / MegaMoE must hold per call on this rank
+
+
+def install(flags: Flags) -> type | None:
+    """Register AtomRoutedExperts with vLLM (once per process); None if another plugin took the slot."""
+    global _flags
+    _flags = flags
+    current = op_registry_oot.get(RoutedExperts.__name__)
+    if current is AtomRoutedExperts:
+        return AtomRoutedExperts
+    if current is not None:
+        warn_once(log, "oot-taken", f"atom_moe: another plugin already replaced vLLM's RoutedExperts with "
+                                    f"{current.__module__}.{current.__qualname__}; atom_moe stays off")
+        return None
+    RoutedExperts.register_oot(AtomRoutedExperts)
+    return AtomRoutedExperts
+
+
+class AtomRoutedExperts(RoutedExperts):
+    """vLLM's RoutedExperts, with our method chosen for the layers we support."""
+
+    def _get_quant_method(self, prefix, quant_config, moe_config) -> FusedMoEMethodBase:
+        no_kernel = None
+        try:
+            inner = super()._get_quant_method(prefix, quant_config, moe_config)
+        except NotImplementedError as exc:  # vLLM has no kernel for this device; we may still serve the layer
+            inner, no_kernel = _weights_only_method(quant_config, moe_config), exc
+            if inner is None:
+                raise
+        if _flags is None or _flags.mode is Mode.OFF:
+            if no_kernel is not None:
+                raise no_kernel
+            return inner
+        plan = plan_layer(self, inner, moe_config)
+        if isinstance(plan, str):
+            if no_kernel is not None:
+                raise no_kernel  # vLLM's own path cannot run here either: its error, unchanged
+            name = type(inner).__name__
+            warn_once(log, f"fallback:{name}:{plan}",
+                      f"atom_moe: MoE layers using {name} keep vLLM's own path: {plan} (first: {prefix or '?'})")
+            return inner
+        return AtomMoEMethod(inner, plan)
+
+
+def _weights_only_method(quant_config, moe_config) -> FusedMoEMethodBase | None:
+    """vLLM's gpt-oss MXFP4 method without its kernel choice, for its create_weights only.
+
+    GptOssMxfp4MoEMethod.__init__ raises when vLLM has no MXFP4 kernel for the device (the
+    CPU, for one); its create_weights needs only `self.moe`, so we skip the kernel choice.
+    """
+    if type(quant_config) is not GptOssMxfp4Config:
+        return None
+    method = GptOssMxfp4MoEMethod.__new__(GptOssMxfp4MoEMethod)
+    FusedMoEMethodBase.__init__(method, moe_config)
+    return method
+
+
+def _scheme_of(layer: RoutedExperts, inner: FusedMoEMethodBase) -> Scheme | str:
+    """Our scheme for vLLM's method, or why we do not take it."""
+    kind = type(inner)  # exact types: subclasses (other checkpoint formats) may load differently
+    if kind is UnquantizedFusedMoEMethod:
+        if layer.params_dtype != torch.bfloat16:
+            return f"unquantized weights in {layer.params_dtype} (we take bfloat16 only)"
+        return Scheme.BF16
+    if kind is Fp8MoEMethod:
+        if not inner.block_quant or list(inner.weight_block_size) != [128, 128]:
+            return f"fp8 with weight_block_size={inner.weight_block_size} (we take 128x128 block scales only)"
+        if inner.weight_scale_refine is not None:
+            return "fp8 block scales refined below 128 to fit the TP shard (we take 128x128 only)"
+        if inner.quant_config.activation_scheme != "dynamic":
+            return f"fp8 activation_scheme={inner.quant_config.activation_scheme} (we take dynamic only)"
+        from vllm.platforms import current_platform
+        if current_platform.is_fp8_fnuz():
+            return "fp8 e4m3fnuz platform (we take e4m3fn only)"
+        return Scheme.FP8
+    if kind is GptOssMxfp4MoEMethod:
+        return Scheme.A16W4
+    return f"quant method {kind.__name__} is not one we replace (bf16, fp8 128x128 blocks, gpt-oss mxfp4)"
+
+
+def _activation_of(layer: RoutedExperts, moe) -> tuple[Activation, GateUpLayout] | str:
+    act = moe.activation
+    if act is MoEActivation.SILU:
+        if layer.swiglu_limit is not None:
+            return f"silu with a clamp limit {layer.swiglu_limit} (we have no clamped SwiGLU)"
+        return Activation(ActivationKind.SWIGLU), GateUpLayout.SEPARATED
+    if act is MoEActivation.SWIGLUOAI:
+        if layer.swiglu_beta not in (None, 1.0):
+            return f"swigluoai with beta={layer.swiglu_beta} (we take beta=1)"
+        # vLLM's swigluoai defaults: alpha 1.702, limit 7.0; rows interleaved as in gpt-oss
+        alpha = 1.702 if layer.swiglu_alpha is None else float(layer.swiglu_alpha)
+        limit = 7.0 if layer.swiglu_limit is None else float(layer.swiglu_limit)
+        return Activation(ActivationKind.SWIGLU_OAI, alpha, limit), GateUpLayout.INTERLEAVED
+    return f"activation {act.value} (we take silu and swigluoai)"
+
+
+def _backend(scheme: Scheme, device: torch.device) -> str | None:
+    """'triton' (graph-safe fused_experts), 'torch' (experts_torch, CPU), or None (none for this device)."""
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if device.type == "cpu" and not interpret:
+        return "torch"
+    try:
+        from ...experts import SUPPORTED
+    except ImportError:
+        return "torch" if device.type == "cpu" else None
+    if scheme in SUPPORTED:
+        return "triton"
+    return "torch" if device.type == "cpu" else None
+
+
+def plan_layer(layer: RoutedExperts, inner: FusedMoEMethodBase, moe) -> LayerPlan | str:
+    """Our plan for this layer, or the reason it keeps vLLM's path. Raises LimitError on bad limits."""
+    pc = moe.moe_parallel_config
+    if pc.enable_eplb:
+        return "EPLB is enabled (we do not move experts)"
+    if moe.is_lora_enabled:
+        return "LoRA is enabled"
+    if layer.apply_router_weight_on_input:
+        return "apply_router_weight_on_input=True"
+    if moe.num_experts != moe.num_logical_experts:
+        return "redundant or fused shared experts"
+    if moe.intermediate_pad is not None:
+        return f"intermediate_pad={moe.intermediate_pad}"
+    if pc.pcp_size > 1:
+        return "prefill context parallelism"
+    scheme = _scheme_of(layer, inner)
+    if not isinstance(scheme, Scheme):  # a reason (Scheme is a str enum: test the enum)
+        return scheme
+    act = _activation_of(layer, moe)
+    if isinstance(act, str):
+        return act
+    activation, layout = act
+    device = torch.device(moe.device) if moe.device is not None else torch.device("cpu")
+    backend = _backend(scheme, device)
+    if backend is None:
+        return f"our GPU experts do not take scheme {scheme.value} yet"
+
+    fused = _flags.mode is Mode.FUSED and pc.use_ep and pc.dp_size > 1
+    if fused and (get_tensor_model_parallel_world_size() > 1 or pc.is_sequence_parallel):
+        warn_once(log, "fused-tp", f"atom_moe: {FLAG_FUSED}=1 runs the fused EP path only with attention TP=1 "
+                                   f"(DP attention + EP); with TP>1 vLLM keeps its dispatch/combine and our "
+                                   f"experts step runs")
+        fused = False
+    cfg = get_current_vllm_config()
+    mnbt = cfg.scheduler_config.max_num_batched_tokens
+    per_rank = tokens_per_rank(mnbt, None, getattr(moe, "max_capture_size", None))
+    # without our dispatch, DP+EP layers see every DP rank's tokens (vLLM gathers them first)
+    gathered = pc.dp_size if (not fused and pc.dp_size > 1) else 1
+    local = local_experts_from_map(layer._expert_map, moe.num_experts)
+    try:
+        spec = layer_spec(hidden_size=layer.hidden_size, intermediate_size=moe.intermediate_size_per_partition,
+                          num_experts=moe.num_experts, top_k=moe.experts_per_token, scheme=scheme,
+                          activation=activation, has_bias=moe.has_bias, local_experts=local,
+                          ep_rank=pc.ep_rank if pc.use_ep else 0, ep_size=pc.ep_size if pc.use_ep else 1,
+                          max_tokens_per_rank=per_rank)
+    except SpecError as exc:
+        return f"layer shape not supported: {exc}"
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    ep_size = spec.placement.world_size if fused else 1
+    check_start_limits(spec, ep_size=ep_size, tokens=per_rank * gathered, wire="bf16",
+                       transport="torch" if fused else "local", experts_backend=backend, free_bytes=free,
+                       flag="--max-num-batched-tokens", scale=gathered)
+    return LayerPlan(spec, layout, fused, backend, per_rank * gathered)
+
+
+class AtomMoEMethod(FusedMoEMethodBase):
+    """vLLM's weights and loader, our prepared weights and experts step (or fused EP path)."""
+
+    def __init__(self, inner: FusedMoEMethodBase, plan: LayerPlan) -> None:
+        super().__init__(inner.moe)
+        self.inner = inner  # vLLM's method: its create_weights defines what the loader fills
+        self.plan = plan
+        self.weights: PreparedWeights | None = None
+        self._op = None  # MegaMoE (fused mode), shared by every layer of this shape
+        self._workspace = None  # fused_experts workspace (triton backend), shared likewise
+        # read by RoutedExperts.weight_loader: we accept unrefined block scales only
+        self.weight_scale_refine = None
+
+    @property
+    def method_name(self) -> str:
+        return f"atom_moe({type(self.inner).__name__})"
+
+    @property
+    def is_monolithic(self) -> bool:
+        return False  # vLLM routes; we get topk ids and weights
+
+    @property
+    def supports_internal_mk(self) -> bool:
+        # True stops vLLM's naive DP dispatch/combine: MegaMoE moves the tokens itself
+        return self.plan.fused
+
+    def maybe_roundup_sizes(self, hidden_size, intermediate_size_per_partition, act_dtype, moe_parallel_config):
+        """No padding: our kernels take the true sizes (vLLM's MXFP4 and DeepEP paths would pad)."""
+        return hidden_size, intermediate_size_per_partition
+
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
+                       **extra_weight_attrs) -> None:
+        """vLLM's own parameters and loaders, so every checkpoint vLLM reads loads unchanged."""
+        self.inner.create_weights(layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
+                                  **extra_weight_attrs)
+
+    def get_fused_moe_quant_config(self, layer):
+        return None  # no vLLM modular kernel is built for this layer
+
+    def process_weights_after_loading(self, layer) -> None:
+        """Build our prepared weights from vLLM's loaded parameters, then free vLLM's."""
+        spec = self.plan.spec
+        if layer.local_num_experts != spec.num_local_experts:
+            raise RuntimeError(f"{layer.layer_name}: vLLM holds {layer.local_num_experts} local experts but its "
+                               f"expert map gave {spec.num_local_experts}")
+        w13, w2, s13, s2 = (None if n is None else getattr(layer, n) for n in _PARAMS[spec.scheme])
+        b13, b2 = (getattr(layer, n) if spec.has_bias else None for n in _BIASES)
+        self.weights = prepare_stacked(spec, w13.data, w2.data, layout=self.plan.layout,
+                                       w13_scale=None if s13 is None else s13.data,
+                                       w2_scale=None if s2 is None else s2.data,
+                                       w13_bias=None if b13 is None else b13.data,
+                                       w2_bias=None if b2 is None else b2.data,
+                                       expert_ids=spec.local_experts, device=w13.device)
+        del w13, w2, s13, s2, b13, b2
+        for name in [n for n in _PARAMS[spec.scheme] + _BIASES if n is not None]:
+            layer._parameters.pop(name, None)  # release vLLM's originals: the KV cache gets the memory
+        layer.atom_moe_weights = self.weights  # the tag: this layer runs on our prepared weights
+        device = self.weights.w2.device
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._build_runtime(device)
+
+    def _build_runtime(self, device: torch.device) -> None:
+        """Allocate now (before vLLM's profiling run) everything a forward will use; nothing grows later."""
+        spec, key = self.plan.spec, (self.plan.spec, self.plan.fused, self.plan.backend, self.plan.tokens, device)
+        if key not in _shared:
+            if self.plan.fused:
+                from ...ep import MegaMoE
+
+                ep = get_ep_group()
+                _shared[key] = MegaMoE(spec, ep.device_group, cpu_group=ep.cpu_group,
+                                       max_tokens_per_rank=self.plan.tokens, transport="torch",
+                                       experts_backend=self.plan.backend, device=device)
+            elif self.plan.backend == "triton":
+                from ...experts import allocate_workspace
+
+                _shared[key] = allocate_workspace(spec, self.plan.tokens, device)
+            else:
+                _shared[key] = None  # experts_torch needs no workspace
+        if self.plan.fused:
+            self._op = _shared[key]
+        else:
+            self._workspace = _shared[key]
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
+        """This rank's MoE output for x (vLLM runs shared experts and the TP/EP all-reduce itself)."""
+        if self.weights is None:
+            raise RuntimeError(f"{layer.layer_name}: forward before process_weights_after_loading")
+        spec = self.plan.spec
+        if self.plan.fused:
+            return self._op.bind(self.weights).forward(x, topk_weights, topk_ids)
+        if self.plan.backend == "triton":
+            from ...experts import fused_experts
+
+            return fused_experts(x, topk_weights, topk_ids, self.weights, spec, workspace=self._workspace)
+        from ...experts_torch import experts_torch
+
+        return experts_torch(x, topk_weights, topk_ids, self.weights, spec)
+
+
+__all__ = ["AtomMoEMethod", "AtomRoutedExperts", "LayerPlan", "LimitError", "install", "plan_layer"]

@@ -1,0 +1,251 @@
+"""The SGLang plugin against the real SGLang package, on the CPU (run by tests/test_sglang_plugin.py).
+
+Runs inside the SGLang env (scripts/sglang_env.sh) with ATOM_USE_FLYDSL=1: SGLang's own
+`load_plugins()` finds and calls our entry point, FusedMoE layers are built under SGLang's
+runtime context, SGLang's weight loaders fill them, and `FusedMoE.forward` runs them (eager
+and through the piecewise-graph custom op). Outputs are compared with atom_moe.reference
+on every element. Multi-rank cases run tests/sglang_worker.py processes (gloo).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+assert os.environ.get("ATOM_USE_FLYDSL") == "1", "run through tests/test_sglang_plugin.py"
+
+import sglang_common as c  # noqa: E402
+from sglang.srt.plugins import load_plugins  # noqa: E402
+from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: E402
+
+from atom_moe.plugins import sglang as plugin  # noqa: E402
+from atom_moe.plugins.sglang import hooks  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+SEED = int(os.environ.get("ATOM_MOE_SEED", "0")) or int(torch.seed() % 2**31)
+print(f"seed={SEED}")
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    """SGLang's plugin loader (must find and call our entry point), then a 1-rank runtime context."""
+    load_plugins()
+    c.start_runtime(chunked=512)
+    yield
+
+
+def _gen(salt: int) -> torch.Generator:
+    return torch.Generator().manual_seed(SEED * 1000 + salt)
+
+
+# ---------------------------------------------------------------- registration
+def test_entry_point_discovered_and_applied_by_load_plugins(runtime):
+    from importlib.metadata import entry_points
+
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.layers.quantization.fp8 import Fp8MoEMethod
+    from sglang.srt.layers.quantization.mxfp4 import Mxfp4MoEMethod
+    from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod
+
+    eps = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.value == "atom_moe.plugins.sglang:register"]
+    assert len(eps) == 1, list(entry_points(group="sglang.srt.plugins"))
+    # the hooks landed on the real classes, wrapping our functions
+    assert FusedMoE.forward_impl.__wrapped__ is not None
+    for cls in (FusedMoE, UnquantizedFusedMoEMethod, Fp8MoEMethod, Mxfp4MoEMethod):
+        name = "forward_impl" if cls is FusedMoE else "process_weights_after_loading"
+        assert hasattr(getattr(cls, name), "__wrapped__"), cls
+    for target in (plugin.FORWARD, *plugin.PROCESS_WEIGHTS):
+        assert target in HookRegistry._patched
+        assert [h for _, h, _ in HookRegistry._hooks[target]] in ([hooks.forward_impl],
+                                                                   [hooks.process_weights_after_loading])
+    assert plugin.COMPLETE not in HookRegistry._hooks  # experts mode: SGLang's reductions stay as they are
+    plugin.register()  # idempotent: no second hook
+    assert len(HookRegistry._hooks[plugin.FORWARD]) == 1
+
+
+def test_sglang_before_plugin_framework_changes_nothing(runtime, monkeypatch, caplog):
+    caplog.set_level(logging.WARNING, logger="sglang.atom_moe")
+    assert plugin.version_supported("0.5.14") and plugin.version_supported("0.5.23.post1")
+    assert not plugin.version_supported("0.5.10") and not plugin.version_supported("dev")
+    monkeypatch.setattr(plugin, "_registered", None)
+    monkeypatch.setattr(plugin, "sglang_version", lambda: "0.5.10")
+    before = {t: len(h) for t, h in HookRegistry._hooks.items()}
+    plugin.register()
+    assert {t: len(h) for t, h in HookRegistry._hooks.items()} == before
+    assert any("found 0.5.10" in r.getMessage() for r in caplog.records)
+
+
+def test_flag_off_changes_nothing():
+    code = ("import sys; from sglang.srt.plugins import load_plugins; load_plugins();"
+            "from sglang.srt.plugins.hook_registry import HookRegistry as R;"
+            "from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE as F;"
+            "from sglang.srt.layers.quantization.fp8 import Fp8MoEMethod as M;"
+            "assert not hasattr(F.forward_impl, '__wrapped__'); "
+            "assert not hasattr(M.process_weights_after_loading, '__wrapped__');"
+            "assert not [t for t in R._hooks if 'moe' in t or 'quantization' in t], dict(R._hooks); print('UNTOUCHED')")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ATOM_USE_FLYDSL", "ATOM_FLYDSL"))}
+    proc = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "UNTOUCHED" in proc.stdout, proc.stderr[-3000:]
+    assert "active in SGLang" not in proc.stderr  # no start-up line without a flag
+
+
+def test_startup_line_names_the_mode():
+    code = "from sglang.srt.plugins import load_plugins; load_plugins()"
+    proc = subprocess.run([sys.executable, "-P", "-c", code], env=dict(os.environ, ATOM_USE_FLYDSL_FUSED="1"),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if "atom_moe 0" in ln and "active in SGLang" in ln]
+    assert len(lines) == 1 and "ATOM_USE_FLYDSL_FUSED=1" in lines[0], proc.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- layers, weights, forward
+def _built(scheme: str, salt: int):
+    layer = c.build(scheme)
+    tensors, ref = c.checkpoint(scheme, _gen(salt))
+    assert c.load(layer, scheme, tensors) > 0
+    return layer, ref
+
+
+@pytest.mark.parametrize("scheme", c.SCHEMES)
+def test_weights_built_and_originals_released(runtime, scheme):
+    layer, _ = _built(scheme, 1)
+    originals = [weakref.ref(p) for n, p in layer.named_parameters() if n.startswith(("w13", "w2"))]
+    assert len(originals) >= 2
+    c.process(layer)
+    state = layer.atom_moe
+    assert state.weights.num_local_experts == c.E and state.plan.spec.local_experts == tuple(range(c.E))
+    assert state.plan.tokens == 512  # --chunked-prefill-size (no graphs on the CPU)
+    assert not [n for n, _ in layer.named_parameters() if n.startswith(("w13", "w2"))]
+    gc.collect()
+    assert all(r() is None for r in originals), "SGLang's expert parameters are still alive"
+
+
+@pytest.mark.parametrize("scheme", c.SCHEMES)
+def test_forward_matches_reference_with_padded_rows(runtime, scheme):
+    layer, ref = _built(scheme, 2)
+    c.process(layer)
+    gen = _gen(3)
+    T = 29
+    x = torch.randn(T, c.H, generator=gen).bfloat16()
+    logits = torch.randn(T, c.E, generator=gen)
+    w, ids = c.route(logits)
+    # decode-graph padding: SGLang's in-tree path sets padded rows' ids to num_experts; its mask kernel to -1
+    ids[-4:-2] = c.E
+    ids[-2:] = -1
+    out = layer.forward(x, c.topk_output(w, ids, logits))
+    c.assert_matches(out[:-4], c.expected(scheme, x, w, ids, ref)[:-4])
+    assert torch.equal(out[-4:], torch.zeros_like(out[-4:]))
+
+
+@pytest.mark.parametrize("scheme", c.SCHEMES)
+def test_capture_style_degenerate_routing(runtime, scheme):
+    """Graph capture runs all-zero input ids: every token picks the same experts."""
+    layer, ref = _built(scheme, 4)
+    c.process(layer)
+    T = 64
+    x = torch.randn(1, c.H, generator=_gen(5)).bfloat16().expand(T, c.H).contiguous()
+    logits = torch.randn(1, c.E, generator=_gen(6)).expand(T, c.E).contiguous()
+    w, ids = c.route(logits)
+    assert (ids == ids[0]).all()
+    out = layer.forward(x, c.topk_output(w, ids, logits))
+    c.assert_matches(out, c.expected(scheme, x, w, ids, ref))
+
+
+def test_piecewise_graph_op_path(runtime):
+    """Inside a piecewise CUDA graph FusedMoE.forward goes through SGLang's custom op, then forward_impl."""
+    from sglang.srt.layers.moe.fused_moe_triton import layer as layer_mod
+    from sglang.srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph import context_manager as cm
+    from sglang.srt.utils.common import sglang_lib
+
+    # SGLang registers its op for the GPU key only; give the CPU key the same Python body
+    op = torch.ops.sglang.moe_forward_piecewise_cuda_graph_impl
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(op.default.name(), "CPU"):
+        body = layer_mod.moe_forward_piecewise_cuda_graph_impl.__wrapped__
+        sglang_lib.impl("moe_forward_piecewise_cuda_graph_impl", body, "CPU")
+
+    layer, ref = _built("bf16", 7)
+    c.process(layer)
+    gen = _gen(8)
+    x = torch.randn(11, c.H, generator=gen).bfloat16()
+    logits = torch.randn(11, c.E, generator=gen)
+    w, ids = c.route(logits)
+    with cm.enable_tc_piecewise_cuda_graph(), cm.set_tc_piecewise_forward_context(
+            None, [], None, {layer.layer_id: layer}, []):
+        assert cm.is_in_tc_piecewise_cuda_graph()
+        out = layer.forward(x, c.topk_output(w, ids, logits))
+    c.assert_matches(out, c.expected("bf16", x, w, ids, ref))
+
+
+def test_sglang_dispatcher_not_used_on_our_layers(runtime):
+    layer, ref = _built("bf16", 9)
+    c.process(layer)
+
+    def boom(*a, **k):
+        raise AssertionError("SGLang's dispatcher ran on a layer we own")
+
+    layer.dispatcher.dispatch = layer.dispatcher.combine = boom
+    gen = _gen(10)
+    x = torch.randn(5, c.H, generator=gen).bfloat16()
+    logits = torch.randn(5, c.E, generator=gen)
+    w, ids = c.route(logits)
+    c.assert_matches(layer.forward(x, c.topk_output(w, ids, logits)), c.expected("bf16", x, w, ids, ref))
+
+
+def test_deepep_moe_falls_through_to_our_hook(runtime):
+    """DeepEPMoE with deprecate_flag (e.g. under aiter) calls super().forward_impl: the hooked FusedMoE one."""
+    from sglang.srt.layers.moe.ep_moe.layer import DeepEPMoE
+
+    layer, ref = _built("fp8", 11)
+    c.process(layer)
+    layer.__class__ = DeepEPMoE  # its forward_impl; building one needs DeepEP, which the CPU lacks
+    layer.deprecate_flag = True
+    gen = _gen(12)
+    x = torch.randn(9, c.H, generator=gen).bfloat16()
+    logits = torch.randn(9, c.E, generator=gen)
+    w, ids = c.route(logits)
+    out = DeepEPMoE.forward_impl(layer, x, c.topk_output(w, ids, logits))
+    c.assert_matches(out, c.expected("fp8", x, w, ids, ref))
+
+
+# ---------------------------------------------------------------- fallback and limits
+def test_unsupported_layer_falls_back_with_one_warning(runtime, caplog):
+    caplog.set_level(logging.WARNING, logger="sglang.atom_moe")
+    layers = [c.build("bf16", params_dtype=torch.float16) for _ in range(2)]
+    for layer in layers:
+        names = [n for n, _ in layer.named_parameters()]
+        c.process(layer)  # SGLang's own post-processing ran instead
+        assert getattr(layer, "atom_moe", None) is None
+        assert [n for n, _ in layer.named_parameters()] == names  # SGLang's weights kept
+    msgs = [r.getMessage() for r in caplog.records if "keep SGLang's own path" in r.getMessage()]
+    assert len(msgs) == 1 and "float16" in msgs[0], msgs
+
+
+def test_chunked_prefill_too_large_names_largest_safe_value():
+    """A fresh process whose --chunked-prefill-size passes int32 in the experts' workspace (H=7168)."""
+    _run_ranks("limit", "bf16", world=1)
+
+
+# ---------------------------------------------------------------- two ranks
+@pytest.mark.parametrize("mode,scheme", [("tp_ep", "bf16"), ("tp_ep", "mxfp4"), ("dp_ep", "bf16"),
+                                         ("dp_ep", "fp8")])
+def test_two_ranks(mode, scheme):
+    _run_ranks(mode, scheme, world=2)
+
+
+def _run_ranks(mode: str, scheme: str, world: int) -> None:
+    port = c.free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ATOM_USE_FLYDSL", "ATOM_FLYDSL"))}
+    procs = [subprocess.Popen([sys.executable, "-P", str(HERE / "sglang_worker.py"), mode, scheme, str(r), str(world),
+                               str(port), str(SEED)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for r in range(world)]
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and f"RANK {r} OK" in out, f"rank {r}:\n{out[-6000:]}"

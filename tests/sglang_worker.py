@@ -1,0 +1,130 @@
+"""One rank of a 2-rank SGLang MoE check on the CPU (launched by tests/sglang_cases.py).
+
+    python sglang_worker.py MODE SCHEME RANK WORLD PORT SEED
+
+MODE tp_ep: --tp 2 --ep-size 2, --moe-a2a-backend none, ATOM_USE_FLYDSL=1. Every rank sees
+the same tokens; a layer without reduce_results returns this rank's share (the reference
+over its local experts, from SGLang's placement), SGLang's own post_experts_all_reduce of
+it and a layer with reduce_results both equal the full reference.
+MODE dp_ep: --tp 2 --ep-size 2 --enable-dp-attention --dp 2 --moe-a2a-backend megamoe,
+ATOM_USE_FLYDSL_FUSED=1. Tokens differ per rank; MegaMoE dispatches and combines, each
+rank's output equals the full reference for its tokens, and SGLang's post-experts
+reduction leaves it alone (no double counting).
+Prints "RANK r OK" on success; any failure raises (non-zero exit).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+mode, scheme, rank, world, port, seed = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
+os.environ["ATOM_USE_FLYDSL_FUSED" if mode == "dp_ep" else "ATOM_USE_FLYDSL"] = "1"
+# MODE limit (WORLD 1): --chunked-prefill-size 65536 at H=7168 must fail naming the largest safe value.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+from sglang.srt.plugins import load_plugins  # noqa: E402
+
+import sglang_common as c  # noqa: E402
+
+
+def start(dp: bool) -> None:
+    """SGLang's runtime for this rank; megamoe's server-arg check wants a GPU, so on the CPU we set the flag."""
+    if not dp:
+        return c.start_runtime(rank, world, port, chunked=256)
+    try:
+        c.start_runtime(rank, world, port, dp=True, a2a="megamoe", chunked=256)
+    except ValueError as exc:  # "--moe-a2a-backend megamoe needs a CUDA SM90 GPU ..." (CPU machine)
+        assert "megamoe" in str(exc), exc
+        c.start_runtime(rank, world, port, dp=True, a2a="none", chunked=256)
+        from sglang.srt.layers.moe.utils import MoeA2ABackend
+        from sglang.srt.runtime_context import get_flags
+
+        get_flags().moe.a2a_backend = MoeA2ABackend.MEGAMOE
+
+
+def check_limit() -> None:
+    """Building a layer whose buffers pass int32 fails with the largest safe --chunked-prefill-size."""
+    import re
+
+    from atom_moe.ep.buffers import BufferLimitError, check_limits
+    from atom_moe.plugins.common import LimitError
+    from atom_moe.spec import MoESpec
+
+    c.start_runtime(rank, world, port, chunked=2**16)
+    os.environ["TRITON_INTERPRET"] = "1"  # the Triton experts' [T*k, H] fp32 workspace is what passes int32
+    layer = c.build(scheme, hidden_size=7168)
+    try:
+        c.process(layer)
+    except LimitError as exc:
+        msg = str(exc)
+    else:
+        raise AssertionError("a layer whose buffers pass int32 was built")
+    assert "--chunked-prefill-size=65536" in msg, msg
+    safe = int(re.search(r"largest safe --chunked-prefill-size is (\d+)", msg).group(1))
+    spec = MoESpec(hidden_size=7168, intermediate_size=c.INTER[scheme], num_experts=c.E, top_k=c.K)
+    check_limits(spec, 1, safe, transport="local", experts_backend="triton")  # the named value fits ...
+    try:
+        check_limits(spec, 1, safe + 1, transport="local", experts_backend="triton")  # ... and is the largest
+    except BufferLimitError:
+        print(f"RANK {rank} OK", flush=True)
+        return
+    raise AssertionError(f"{safe} is not the largest safe value")
+
+
+def main() -> None:
+    load_plugins()
+    if mode == "limit":
+        return check_limit()
+    dp = mode == "dp_ep"
+    start(dp)
+    from sglang.srt.layers.moe.utils import (get_moe_a2a_backend, is_moe_input_scattered_across_dp_ranks,
+                                             post_experts_all_reduce, post_experts_output_is_complete)
+
+    assert get_moe_a2a_backend().is_megamoe() == dp and is_moe_input_scattered_across_dp_ranks() == dp
+    per = c.E // world
+    tensors, ref = c.checkpoint(scheme, torch.Generator().manual_seed(seed))  # same weights on every rank
+    layers = {}
+    for reduce in (False, True):
+        layer = c.build(scheme, reduce_results=reduce)
+        assert c.load(layer, scheme, tensors) > 0
+        c.process(layer)
+        state = layer.atom_moe
+        # local experts come from SGLang's placement: E/world contiguous per rank
+        assert state.plan.spec.local_experts == tuple(range(rank * per, (rank + 1) * per)), state.plan.spec
+        assert state.weights.num_local_experts == per and state.plan.fused == dp
+        layer.dispatcher.dispatch = layer.dispatcher.combine = None  # SGLang's dispatcher must not run
+        layers[reduce] = layer
+
+    tok = torch.Generator().manual_seed(seed * 31 + (rank if dp else 0) + 1)  # DP: tokens differ per rank
+    T = 23 + (5 * rank if dp else 0)
+    x = torch.randn(T, c.H, generator=tok).bfloat16()
+    logits = torch.randn(T, c.E, generator=tok)
+    w, ids = c.route(logits)
+    ids[-1] = c.E  # a padded graph row
+    full = c.expected(scheme, x, w, ids, ref)
+    out = layers[False].forward(x, c.topk_output(w, ids, logits))
+    if dp:
+        c.assert_matches(out, full)  # MegaMoE combined every expert's share
+        assert post_experts_output_is_complete(is_tp_path=False) and post_experts_output_is_complete(is_tp_path=True)
+        assert torch.equal(post_experts_all_reduce(out.clone()), out)  # SGLang sums nothing again
+    else:
+        c.assert_matches(out, c.expected(scheme, x, w, ids, ref, experts=range(rank * per, (rank + 1) * per)))
+        assert not post_experts_output_is_complete(is_tp_path=False)
+        c.assert_matches(post_experts_all_reduce(out.clone()), full)  # SGLang's own reduction completes it
+        c.assert_matches(layers[True].forward(x, c.topk_output(w, ids, logits)), full)
+    assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+    if dp:  # under megamoe SGLang's own path would be summed wrongly: an unsupported layer stops start-up
+        layer = c.build("bf16", params_dtype=torch.float16)
+        try:
+            c.process(layer)
+        except RuntimeError as exc:
+            assert "cannot run" in str(exc) and "float16" in str(exc), exc
+        else:
+            raise AssertionError("an unsupported layer under fused megamoe was accepted")
+    print(f"RANK {rank} OK", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Engine-neutral plugin pieces (atom_moe.plugins.common), without any engine installed."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from atom_moe.ep.buffers import BufferLimitError, buffer_sizes, check_limits
+from atom_moe.plugins import common
+from atom_moe.plugins.common import FlagError, LimitError, Mode, parse_flags
+from atom_moe.spec import MoESpec, Scheme
+
+
+@pytest.mark.parametrize("env, mode", [
+    ({}, Mode.OFF),
+    ({"ATOM_USE_FLYDSL": "0", "ATOM_USE_FLYDSL_FUSED": ""}, Mode.OFF),
+    ({"ATOM_USE_FLYDSL": "1"}, Mode.EXPERTS),
+    ({"ATOM_USE_FLYDSL": "true"}, Mode.EXPERTS),
+    ({"ATOM_USE_FLYDSL_FUSED": "1"}, Mode.FUSED),
+    ({"ATOM_USE_FLYDSL": "1", "ATOM_USE_FLYDSL_FUSED": "ON"}, Mode.FUSED),
+])
+def test_flags(env, mode):
+    assert parse_flags(env).mode is mode
+
+
+def test_bad_flags_are_clear_errors(tmp_path):
+    with pytest.raises(FlagError, match=r"ATOM_USE_FLYDSL_FUSED='2' is not a boolean"):
+        parse_flags({"ATOM_USE_FLYDSL_FUSED": "2"})
+    with pytest.raises(FlagError, match="do not exist: /nope"):
+        parse_flags({"ATOM_USE_FLYDSL": "1", "ATOM_FLYDSL_KERNELS_PATH": f"{tmp_path}:/nope"})
+    # a path is only checked when the plugin is on
+    assert parse_flags({"ATOM_FLYDSL_KERNELS_PATH": "/nope"}).mode is Mode.OFF
+    assert parse_flags({"ATOM_USE_FLYDSL": "1", "ATOM_FLYDSL_KERNELS_PATH": str(tmp_path)}).kernels_path == str(tmp_path)
+
+
+def test_startup_line_names_mode_and_versions(tmp_path):
+    line = common.startup_line("vLLM", "0.33.0", parse_flags({"ATOM_USE_FLYDSL_FUSED": "1",
+                                                              "ATOM_FLYDSL_KERNELS_PATH": str(tmp_path)}))
+    assert "vLLM 0.33.0" in line and "ATOM_USE_FLYDSL_FUSED=1" in line and f"torch {torch.__version__}" in line
+    assert str(tmp_path) in line and "\n" not in line
+
+
+def test_warn_once(caplog):
+    log = logging.getLogger("atom_moe.test")
+    common._warned.discard("k-test")
+    with caplog.at_level(logging.WARNING, logger="atom_moe.test"):
+        assert common.warn_once(log, "k-test", "first")
+        assert not common.warn_once(log, "k-test", "second")
+    assert [r.getMessage() for r in caplog.records] == ["first"]
+
+
+def test_local_experts_follow_the_map_not_shapes(seed):
+    gen = torch.Generator().manual_seed(seed)
+    E = 16
+    mine = torch.randperm(E, generator=gen)[:5]  # an arbitrary (e.g. round-robin) placement
+    table = torch.full((E,), -1, dtype=torch.int32)
+    table[mine] = torch.randperm(5, generator=gen).int()
+    got = common.local_experts_from_map(table, E)
+    assert len(got) == 5 and all(int(table[e]) == slot for slot, e in enumerate(got))
+    assert common.local_experts_from_map(None, E) == tuple(range(E))
+    table[mine[0]] = 7  # a gap in the slots
+    with pytest.raises(ValueError, match="without gaps"):
+        common.local_experts_from_map(table, E)
+
+
+def test_tokens_per_rank_takes_the_largest_batch():
+    assert common.tokens_per_rank(8192, [1, 2, 512], 512) == 8192
+    assert common.tokens_per_rank(256, [1, 2, 512], 512) == 512
+
+
+def test_int32_limit_names_the_largest_safe_setting():
+    spec = MoESpec(hidden_size=7168, intermediate_size=256, num_experts=256, top_k=8)
+    with pytest.raises(LimitError) as info:
+        common.check_start_limits(spec, ep_size=8, tokens=2**16, wire="bf16", transport="torch",
+                                  experts_backend="torch", free_bytes=None, flag="--max-num-batched-tokens")
+    msg = str(info.value)
+    safe = int(msg.rsplit("is ", 1)[1].rstrip("."))
+    check_limits(spec, 8, safe, transport="torch")
+    with pytest.raises(BufferLimitError):
+        check_limits(spec, 8, safe + 1, transport="torch")
+    assert msg.startswith("--max-num-batched-tokens=65536 is too large")
+
+
+def test_scaled_setting_and_memory_limit():
+    """With the engine's DP gather (scale), the named setting is per DP rank; memory is checked too."""
+    spec = MoESpec(hidden_size=1024, intermediate_size=256, num_experts=8, top_k=2, scheme=Scheme.BF16)
+    need = sum(buffer_sizes(spec, 2, 1000, transport="torch").values())
+    assert common.check_start_limits(spec, ep_size=2, tokens=1000, wire="bf16", transport="torch",
+                                     experts_backend="torch", free_bytes=need, flag="--x") == need
+    with pytest.raises(LimitError, match="GiB is free; the largest safe --x is") as info:
+        common.check_start_limits(spec, ep_size=2, tokens=4000, wire="bf16", transport="torch",
+                                  experts_backend="torch", free_bytes=need, flag="--x", scale=4)
+    safe = int(str(info.value).rsplit("is ", 1)[1])
+    assert sum(buffer_sizes(spec, 2, safe * 4, transport="torch").values()) <= need
+    assert sum(buffer_sizes(spec, 2, (safe + 1) * 4, transport="torch").values()) > need
+
+
+def test_version_gate():
+    from atom_moe.plugins.vllm import version_supported
+
+    assert all(version_supported(v) for v in ("0.30.0", "0.31.2", "0.33.0", "0.33.1rc1"))
+    assert not any(version_supported(v) for v in ("0.29.9", "0.34.0", "0.11.0", "1.0.0", "dev"))
+
+
+def test_register_without_flags_imports_no_engine(monkeypatch):
+    """The entry point with no flag set returns before importing vLLM (this env has none)."""
+    import sys
+
+    from atom_moe.plugins import vllm as plugin
+
+    for name in ("ATOM_USE_FLYDSL", "ATOM_USE_FLYDSL_FUSED"):
+        monkeypatch.delenv(name, raising=False)
+    before = "vllm" in sys.modules
+    plugin.register()
+    assert ("vllm" in sys.modules) == before

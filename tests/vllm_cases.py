@@ -1,0 +1,430 @@
+"""The vLLM plugin against a real vLLM package, on the CPU (run by tests/test_vllm_plugin.py).
+
+Runs inside an engine environment (scripts/engine_env.sh vllm VERSION) with
+ATOM_USE_FLYDSL=1 and VLLM_TARGET_DEVICE=cpu: vLLM's own `load_general_plugins()` finds
+and calls our entry point, `FusedMoEFactory` builds the layers, vLLM's weight loader
+fills them from HF-style tensors, and vLLM's `MoERunner.forward` runs them. Outputs are
+compared with atom_moe.reference on every element. Multi-rank cases run in
+tests/vllm_worker.py processes brought up through vLLM's distributed init.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import logging
+import os
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+assert os.environ.get("VLLM_TARGET_DEVICE") == "cpu", "run through tests/test_vllm_plugin.py"
+
+import vllm  # noqa: E402
+from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.distributed import init_distributed_environment, initialize_model_parallel  # noqa: E402
+from vllm.forward_context import set_forward_context  # noqa: E402
+from vllm.model_executor.custom_op import op_registry_oot  # noqa: E402
+from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory  # noqa: E402
+from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts  # noqa: E402
+from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod  # noqa: E402
+from vllm.model_executor.layers.quantization.fp8 import Fp8Config, Fp8MoEMethod  # noqa: E402
+from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4Config  # noqa: E402
+from vllm.plugins import load_general_plugins  # noqa: E402
+
+from atom_moe import formats  # noqa: E402
+from atom_moe.layout import GateUpLayout  # noqa: E402
+from atom_moe.reference import ReferenceWeights, reference_moe  # noqa: E402
+from atom_moe.spec import Activation, ActivationKind, MoESpec, Scheme  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+E, K, H = 8, 2, 256
+# intermediate size per scheme: vLLM refines fp8 block scales when I is not a multiple of 128
+# (a fallback case below); MXFP4 needs multiples of 32
+INTER = {"bf16": 192, "fp8": 256, "mxfp4": 192}
+SCHEMES = ("bf16", "fp8", "mxfp4")
+_names = itertools.count()
+
+
+# ---------------------------------------------------------------- process set-up
+# Small checkpoint configs (config.json only): vLLM's ModelConfig reads them offline and
+# builds the quant config (Fp8Config, GptOssMxfp4Config) itself, as for a real checkpoint.
+_MIXTRAL = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": H,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": E,
+            "num_experts_per_tok": K, "vocab_size": 512, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+            "rope_theta": 1e6, "torch_dtype": "bfloat16"}
+CHECKPOINTS = {
+    "bf16": dict(_MIXTRAL, intermediate_size=INTER["bf16"]),
+    "fp8": dict(_MIXTRAL, intermediate_size=INTER["fp8"], quantization_config={
+        "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}),
+    "mxfp4": {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": H,
+              "intermediate_size": INTER["mxfp4"], "num_hidden_layers": 1, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 64, "num_local_experts": E, "num_experts_per_tok": K,
+              "vocab_size": 512, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "sliding_window": 128,
+              "layer_types": ["full_attention"], "rope_theta": 150000, "torch_dtype": "bfloat16",
+              "rope_scaling": {"factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "rope_type": "yarn",
+                               "original_max_position_embeddings": 4096},
+              "quantization_config": {"quant_method": "mxfp4"}},
+}
+
+
+def vllm_config(scheme: str, tmp: Path, **kwargs) -> VllmConfig:
+    """A VllmConfig for a small checkpoint of this scheme (config.json written under tmp)."""
+    import json
+
+    from vllm.config import ModelConfig
+
+    folder = tmp / f"ckpt-{scheme}"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(CHECKPOINTS[scheme]))
+    model = ModelConfig(model=str(folder), skip_tokenizer_init=True, dtype="bfloat16")
+    return VllmConfig(model_config=model, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory):
+    """One vLLM config per scheme, and a 1-rank gloo world (vLLM's own init) for the module."""
+    load_general_plugins()  # vLLM's plugin loader: must find and call our entry point
+    tmp = tmp_path_factory.mktemp("ckpt")
+    out = {s: vllm_config(s, tmp) for s in SCHEMES}
+    with set_current_vllm_config(out["bf16"]):
+        init_distributed_environment(1, 0, f"tcp://127.0.0.1:{_free_port()}", 0, backend="gloo")
+        initialize_model_parallel(1, 1)
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- checkpoint-form layers
+def build(scheme: str, cfg: VllmConfig, **overrides):
+    """FusedMoEFactory(...) as the model would call it for this checkpoint (gpt-oss style for MXFP4)."""
+    mx = scheme == "mxfp4"
+    kwargs = dict(num_experts=E, top_k=K, hidden_size=H, intermediate_size=INTER[scheme],
+                  params_dtype=torch.bfloat16, quant_config=cfg.quant_config,
+                  prefix=f"model.layers.{next(_names)}.mlp.experts", has_bias=mx,
+                  activation="swigluoai" if mx else "silu", renormalize=True)
+    kwargs.update(overrides)
+    with set_current_vllm_config(cfg):
+        return FusedMoEFactory(**kwargs)
+
+
+def hf_tensors(scheme: str, gen: torch.Generator, num_experts: int = E) -> tuple[dict, ReferenceWeights]:
+    """Random checkpoint tensors in the HF naming of the scheme, and their fp32 reference weights."""
+    def randn(*shape, std):
+        return torch.randn(*shape, generator=gen) * std
+
+    I = INTER[scheme]
+    gate, up, down = randn(num_experts, I, H, std=H**-0.5), randn(num_experts, I, H, std=H**-0.5), \
+        randn(num_experts, H, I, std=I**-0.5)
+    if scheme == "mxfp4":  # gpt-oss: one tensor per projection, gate/up rows interleaved, biases
+        w13 = torch.stack((gate, up), dim=2).reshape(num_experts, 2 * I, H)  # rows g0, u0, g1, u1, ...
+        q13, s13 = formats.quantize_mxfp4(w13)
+        q2, s2 = formats.quantize_mxfp4(down)
+        b13, b2 = randn(num_experts, 2 * I, std=0.05).bfloat16(), randn(num_experts, H, std=0.05).bfloat16()
+        tensors = {"gate_up_proj_blocks": q13.view(num_experts, 2 * I, H // 32, 16), "gate_up_proj_scales": s13,
+                   "gate_up_proj_bias": b13, "down_proj_blocks": q2.view(num_experts, H, I // 32, 16),
+                   "down_proj_scales": s2, "down_proj_bias": b2}
+        full13 = formats.dequantize_mxfp4(q13, s13)
+        ref = ReferenceWeights(full13[:, 0::2], full13[:, 1::2], formats.dequantize_mxfp4(q2, s2),
+                               tuple(range(num_experts)), b13[:, 0::2].float(), b13[:, 1::2].float(), b2.float())
+        return tensors, ref
+    tensors, g, u, d = {}, [], [], []
+    for e in range(num_experts):
+        for name, w, out in (("gate_proj", gate[e], g), ("up_proj", up[e], u), ("down_proj", down[e], d)):
+            if scheme == "fp8":
+                q, s = formats.quantize_fp8_block(w, 128)
+                tensors[f"{e}.{name}.weight"], tensors[f"{e}.{name}.weight_scale_inv"] = q, s
+                out.append(formats.dequantize_fp8_block(q, s, 128))
+            else:
+                tensors[f"{e}.{name}.weight"] = w.bfloat16()
+                out.append(w.bfloat16().float())
+    return tensors, ReferenceWeights(torch.stack(g), torch.stack(u), torch.stack(d), tuple(range(num_experts)))
+
+
+def load(runner, scheme: str, tensors: dict, ep_range: tuple[int, int] | None = None) -> None:
+    """Feed the tensors through vLLM's own weight loader, as the model's load_weights does."""
+    experts = runner.routed_experts
+    if scheme != "mxfp4":
+        names = list(runner.load_weights(iter(tensors.items())))  # RoutedExperts.load_weights: the expert mapping
+        assert names, "vLLM's loader took none of the tensors"
+        return
+    # gpt-oss (GptOssModel._load_weights_mxfp4): flatten blocks, slice this EP rank's experts, load whole
+    lo, hi = ep_range or (0, E)
+    for param_name, key in (("w13_weight", "gate_up_proj_blocks"), ("w2_weight", "down_proj_blocks"),
+                            ("w13_weight_scale", "gate_up_proj_scales"), ("w2_weight_scale", "down_proj_scales"),
+                            ("w13_bias", "gate_up_proj_bias"), ("w2_bias", "down_proj_bias")):
+        t = tensors[key]
+        if t.dim() == 4:
+            t = t.flatten(-2)
+        param = getattr(experts, param_name)
+        param.weight_loader(param, t[lo:hi], weight_name=f"{experts.layer_name}.{param_name}", shard_id=None,
+                            expert_id=None)
+
+
+def process(runner) -> None:
+    """What vLLM's model loader does after loading: the quant method's post-processing."""
+    runner.routed_experts.quant_method.process_weights_after_loading(runner.routed_experts)
+
+
+def route(logits: torch.Tensor, k: int = K) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k with renormalization (vLLM's default router), computed independently."""
+    w, ids = torch.topk(torch.softmax(logits.float(), dim=-1), k, dim=-1)
+    return w / w.sum(-1, keepdim=True), ids
+
+
+def activation_of(scheme: str) -> Activation:
+    return Activation(ActivationKind.SWIGLU_OAI, 1.702, 7.0) if scheme == "mxfp4" else Activation()
+
+
+def expected(scheme: str, x, logits, ref: ReferenceWeights, experts=None) -> torch.Tensor:
+    w, ids = route(logits)
+    return reference_moe(x, w, ids, ref, activation_of(scheme), experts=experts,
+                         act_quant=Scheme.FP8 if scheme == "fp8" else None)
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Every element within bf16-level error of the fp32 reference (scaled by the output's magnitude)."""
+    assert out.shape == ref.shape
+    assert torch.isfinite(out).all()
+    scale = ref.abs().max().item()
+    assert scale > 0
+    err = (out.float() - ref).abs()
+    bound = 2e-2 * scale + 2e-2 * ref.abs()
+    bad = (err > bound).sum().item()
+    assert bad == 0, f"{bad} of {err.numel()} elements off; max error {err.max().item():.4g}, scale {scale:.4g}"
+
+
+def forward(cfg, runner, x, logits):
+    with set_forward_context(None, cfg):
+        return runner.forward(x, logits)
+
+
+# ---------------------------------------------------------------- registration
+def test_entry_point_discovered_and_called_by_vllm(configs):
+    from importlib.metadata import entry_points
+
+    eps = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "atom_moe"]
+    assert [ep.value for ep in eps] == ["atom_moe.plugins.vllm:register"]
+    from atom_moe.plugins.vllm.method import AtomRoutedExperts
+
+    assert op_registry_oot.get("RoutedExperts") is AtomRoutedExperts  # put there by load_general_plugins()
+
+
+def test_register_is_idempotent(configs, caplog):
+    import atom_moe.plugins.vllm as plugin
+    from atom_moe.plugins.vllm.method import AtomRoutedExperts
+
+    with caplog.at_level(logging.INFO, logger="vllm.atom_moe"):
+        plugin.register()
+        plugin.register()
+    assert op_registry_oot.get("RoutedExperts") is AtomRoutedExperts
+    assert not [r for r in caplog.records if "active in vLLM" in r.getMessage()], "start-up line logged twice"
+
+
+def _run_snippet(code: str, env_update: dict) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ATOM_")}
+    env.update(env_update)
+    proc = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout + proc.stderr
+
+
+SNIPPET = r"""
+import torch, socket
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+with set_current_vllm_config(VllmConfig()):
+    init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, backend="gloo")
+    initialize_model_parallel(1, 1)
+    r = FusedMoEFactory(num_experts=8, top_k=2, hidden_size=256, intermediate_size=128,
+                        params_dtype=torch.bfloat16, prefix="m.experts")
+    print("TYPES", type(r.routed_experts).__module__, type(r.routed_experts).__name__,
+          type(r.routed_experts.quant_method).__name__)
+"""
+
+
+def test_flag_off_gives_vllms_own_classes():
+    out = _run_snippet(SNIPPET, {})
+    assert "TYPES vllm.model_executor.layers.fused_moe.routed_experts RoutedExperts UnquantizedFusedMoEMethod" in out
+    assert "atom_moe" not in out  # no start-up line, no warning: nothing changed
+
+
+def test_flag_on_logs_one_startup_line_per_process():
+    out = _run_snippet(SNIPPET, {"ATOM_USE_FLYDSL": "1"})
+    assert "TYPES atom_moe.plugins.vllm.method AtomRoutedExperts AtomMoEMethod" in out
+    lines = [line for line in out.splitlines() if "active in vLLM" in line]
+    assert len(lines) == 1, out
+    assert f"vLLM {vllm.__version__}" in lines[0] and "ATOM_USE_FLYDSL=1" in lines[0] and "torch" in lines[0]
+
+
+def test_bad_flag_value_is_a_clear_error():
+    proc = subprocess.run([sys.executable, "-P", "-c", "from vllm.plugins import load_general_plugins; load_general_plugins()"],
+                          env={**os.environ, "ATOM_USE_FLYDSL": "maybe"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    assert "ATOM_USE_FLYDSL='maybe' is not a boolean" in proc.stderr
+
+
+# ---------------------------------------------------------------- construction, loading, forward
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_factory_builds_our_method(configs, scheme):
+    from atom_moe.plugins.vllm.method import AtomMoEMethod, AtomRoutedExperts
+
+    runner = build(scheme, configs[scheme])
+    method = runner.routed_experts.quant_method
+    assert isinstance(runner.routed_experts, AtomRoutedExperts)
+    assert isinstance(method, AtomMoEMethod)
+    assert method.plan.spec.scheme is {"bf16": Scheme.BF16, "fp8": Scheme.FP8, "mxfp4": Scheme.A16W4}[scheme]
+    assert method.plan.layout is (GateUpLayout.INTERLEAVED if scheme == "mxfp4" else GateUpLayout.SEPARATED)
+    assert method.plan.spec.local_experts == tuple(range(E))
+    assert not method.is_monolithic and not method.plan.fused
+    # vLLM's own parameters exist for its loader (unpadded: our method does not round MXFP4 sizes up)
+    w13 = runner.routed_experts.w13_weight
+    I = INTER[scheme]
+    assert tuple(w13.shape) == ((E, 2 * I, H // 2) if scheme == "mxfp4" else (E, 2 * I, H))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_weights_load_release_and_forward(configs, scheme, seed):
+    cfg = configs[scheme]
+    gen = torch.Generator().manual_seed(seed)
+    runner = build(scheme, cfg)
+    tensors, ref = hf_tensors(scheme, gen)
+    load(runner, scheme, tensors)
+    experts = runner.routed_experts
+    originals = [weakref.ref(p) for n, p in experts.named_parameters() if n.startswith(("w13", "w2"))]
+    assert len(originals) == (6 if scheme == "mxfp4" else 4 if scheme == "fp8" else 2)
+    process(runner)
+    gc.collect()
+    assert all(r() is None for r in originals), "vLLM's original expert weights are still alive"
+    assert not [n for n, _ in experts.named_parameters() if n.startswith(("w13", "w2"))]
+    prepared = experts.atom_moe_weights
+    assert prepared is experts.quant_method.weights
+    assert prepared.w13.layout is GateUpLayout.INTERLEAVED and prepared.num_local_experts == E
+    x = torch.randn(37, H, generator=gen).bfloat16()
+    logits = torch.randn(37, E, generator=gen)
+    out = forward(cfg, runner, x, logits)
+    assert out.dtype == torch.bfloat16
+    assert_matches(out, expected(scheme, x, logits, ref))
+
+
+def test_forward_runs_our_apply_when_custom_ops_are_off(configs, seed, monkeypatch):
+    """Under Inductor vLLM disables CustomOps (forward_native); our apply must still be what runs."""
+    from vllm.config import CompilationConfig
+
+    from atom_moe.plugins.vllm import method as m
+
+    calls = []
+    real = m.AtomMoEMethod.apply
+    monkeypatch.setattr(m.AtomMoEMethod, "apply", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
+    inductor = VllmConfig(compilation_config=CompilationConfig(custom_ops=["none"]))
+    gen = torch.Generator().manual_seed(seed)
+    with set_current_vllm_config(inductor):
+        runner = build("bf16", inductor)
+        assert not UnquantizedFusedMoEMethod.enabled()  # vLLM's own method would take forward_native here
+        tensors, ref = hf_tensors("bf16", gen)
+        load(runner, "bf16", tensors)
+        process(runner)
+        x, logits = torch.randn(9, H, generator=gen).bfloat16(), torch.randn(9, E, generator=gen)
+        out = forward(inductor, runner, x, logits)
+    assert calls == [1]
+    assert_matches(out, expected("bf16", x, logits, ref))
+
+
+def test_degenerate_dummy_routing(configs, seed):
+    """vLLM's dummy/profile runs repeat one token: every token goes to the same experts."""
+    cfg = configs["fp8"]
+    gen = torch.Generator().manual_seed(seed)
+    runner = build("fp8", cfg)
+    tensors, ref = hf_tensors("fp8", gen)
+    load(runner, "fp8", tensors)
+    process(runner)
+    x = torch.randn(1, H, generator=gen).bfloat16().expand(64, H).contiguous()
+    logits = torch.randn(1, E, generator=gen).expand(64, E).contiguous()
+    out = forward(cfg, runner, x, logits)
+    assert_matches(out, expected("fp8", x, logits, ref))
+
+
+# ---------------------------------------------------------------- fallbacks
+@pytest.mark.parametrize("overrides, reason", [
+    (dict(activation="gelu"), "activation gelu"),
+    (dict(apply_router_weight_on_input=True, top_k=1), "apply_router_weight_on_input=True"),
+    (dict(params_dtype=torch.float16), "unquantized weights in torch.float16"),
+])
+def test_unsupported_layer_falls_back_with_one_warning(configs, caplog, overrides, reason):
+    from atom_moe.plugins import common
+
+    common._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="vllm.atom_moe"):
+        first, second = build("bf16", configs["bf16"], **overrides), build("bf16", configs["bf16"], **overrides)
+    for runner in (first, second):
+        assert type(runner.routed_experts.quant_method) is UnquantizedFusedMoEMethod
+    warnings = [r.getMessage() for r in caplog.records if "keep vLLM's own path" in r.getMessage()]
+    assert len(warnings) == 1 and reason in warnings[0], warnings
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    (dict(quant_config=Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic",
+                                 weight_block_size=[64, 64])), "weight_block_size=[64, 64]"),
+    (dict(intermediate_size=192), "refined below 128"),  # vLLM upsamples the scales of a partial block
+])
+def test_unsupported_fp8_falls_back(configs, caplog, overrides, reason):
+    from atom_moe.plugins import common
+
+    common._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="vllm.atom_moe"):
+        runner = build("fp8", configs["fp8"], **overrides)
+    assert type(runner.routed_experts.quant_method) is Fp8MoEMethod
+    assert any(reason in r.getMessage() for r in caplog.records)
+
+
+# ---------------------------------------------------------------- two ranks
+def _launch(mode: str, scheme: str, seed: int, world: int = 2) -> list[str]:
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, str(HERE / "vllm_worker.py"), mode, scheme, str(rank), str(world),
+                               str(port), str(seed)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(world)]
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=900)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        outs.append(out)
+    for rank, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {rank} failed:\n{out[-6000:]}"
+        assert f"RANK {rank} OK" in out, out[-3000:]
+    return outs
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_tp_ep_two_ranks(scheme, seed):
+    """TP=2 with EP: every rank sees every token, computes its experts' share; vLLM all-reduces."""
+    _launch("tp_ep", scheme, seed)
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "mxfp4"])
+def test_dp_ep_fused_two_ranks(scheme, seed):
+    """DP=2 attention + EP=2 with ATOM_USE_FLYDSL_FUSED=1: MegaMoE dispatches; vLLM must not."""
+    _launch("dp_ep", scheme, seed)
+
+
+def test_start_up_limit_names_largest_safe_value(seed):
+    """DP+EP fused with a --max-num-batched-tokens whose buffers pass int32: both ranks fail at
+    construction, naming the largest safe value (not at the first big batch)."""
+    _launch("dp_ep_limit", "bf16", seed)

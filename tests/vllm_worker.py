@@ -1,0 +1,124 @@
+"""One rank of a 2-rank vLLM MoE check on the CPU (launched by tests/vllm_cases.py).
+
+    python vllm_worker.py MODE SCHEME RANK WORLD PORT SEED
+
+MODE tp_ep: TP=WORLD with expert parallelism, DP=1 (ATOM_USE_FLYDSL=1). Every rank gets
+the same tokens; its share (our apply) must equal the reference over its local experts,
+and vLLM's MoERunner output (after vLLM's all-reduce) the full reference.
+MODE dp_ep: DP=WORLD attention + EP=WORLD with ATOM_USE_FLYDSL_FUSED=1. Each rank has
+its own tokens; MegaMoE dispatches and combines, vLLM must not, and each rank's output
+must equal the full reference for its tokens.
+MODE dp_ep_limit: as dp_ep with --max-num-batched-tokens too large for int32 buffers at
+H=7168: building the layer must raise LimitError naming the largest safe value.
+Prints "RANK r OK" on success; any failure raises (non-zero exit).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+mode, scheme, rank, world, port, seed = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
+for name in ("ATOM_USE_FLYDSL", "ATOM_USE_FLYDSL_FUSED"):
+    os.environ.pop(name, None)
+os.environ["ATOM_USE_FLYDSL_FUSED" if mode in ("dp_ep", "dp_ep_limit") else "ATOM_USE_FLYDSL"] = "1"
+os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import re  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.distributed import init_distributed_environment, initialize_model_parallel  # noqa: E402
+from vllm.forward_context import set_forward_context  # noqa: E402
+from vllm.plugins import load_general_plugins  # noqa: E402
+
+import vllm_cases as cases  # noqa: E402
+from atom_moe.plugins.vllm.method import AtomMoEMethod  # noqa: E402
+
+
+def main() -> None:
+    load_general_plugins()
+    dp = mode.startswith("dp")
+    if dp:
+        pc = ParallelConfig(data_parallel_size=world, data_parallel_rank=rank, data_parallel_size_local=world,
+                            data_parallel_master_ip="127.0.0.1", data_parallel_master_port=port,
+                            enable_expert_parallel=True)
+    else:
+        pc = ParallelConfig(tensor_parallel_size=world, enable_expert_parallel=True)
+    cfg = cases.vllm_config(scheme, Path(tempfile.mkdtemp()), parallel_config=pc)
+    if dp:  # vLLM's engine hands every DP rank one config; here each process builds its own: agree on ports
+        cfg.parallel_config._data_parallel_master_port_list = [port + 4, port + 3, port + 2, port + 1]
+        cfg.parallel_config.data_parallel_master_port = port
+    if mode == "dp_ep_limit":
+        cfg.scheduler_config.max_num_batched_tokens = 2**17
+    with set_current_vllm_config(cfg):
+        if dp:
+            init_distributed_environment(1, 0, "env://", 0, backend="gloo")  # vLLM offsets rank/port for DP
+            initialize_model_parallel(1, 1)
+        else:
+            init_distributed_environment(world, rank, f"tcp://127.0.0.1:{port}", rank, backend="gloo")
+            initialize_model_parallel(world, 1)
+        if mode == "dp_ep_limit":
+            check_limit(cfg)
+            print(f"RANK {rank} OK", flush=True)
+            return
+        runner = cases.build(scheme, cfg)
+        experts = runner.routed_experts
+        method = experts.quant_method
+        assert isinstance(method, AtomMoEMethod), type(method)
+        spec = method.plan.spec
+        # local experts come from vLLM's expert map (linear placement: E/world contiguous per rank)
+        per = cases.E // world
+        assert spec.local_experts == tuple(range(rank * per, (rank + 1) * per)), spec.local_experts
+        assert spec.placement.world_size == world and spec.placement.rank == rank
+        assert method.plan.fused == (mode == "dp_ep")
+        assert not runner.do_naive_dispatch_combine  # vLLM must not dispatch around MegaMoE
+
+        gen = torch.Generator().manual_seed(seed)  # same weights on every rank
+        tensors, ref = cases.hf_tensors(scheme, gen)
+        cases.load(runner, scheme, tensors, ep_range=(rank * per, (rank + 1) * per))
+        cases.process(runner)
+        assert experts.atom_moe_weights.num_local_experts == per
+
+        tok = torch.Generator().manual_seed(seed * 31 + (rank if dp else 0) + 1)  # DP: tokens differ per rank
+        T = 23 + (5 * rank if dp else 0)
+        x = torch.randn(T, cases.H, generator=tok).bfloat16()
+        logits = torch.randn(T, cases.E, generator=tok)
+        if mode == "tp_ep":
+            w, ids = cases.route(logits)
+            share = method.apply(experts, x, w.contiguous(), ids.to(torch.int32).contiguous())
+            cases.assert_matches(share, cases.expected(scheme, x, logits, ref, experts=spec.local_experts))
+        num_tokens_across_dp = torch.tensor([23 + 5 * r for r in range(world)]) if dp else None
+        with set_forward_context(None, cfg, num_tokens=T, num_tokens_across_dp=num_tokens_across_dp):
+            out = runner.forward(x, logits)
+        cases.assert_matches(out, cases.expected(scheme, x, logits, ref))
+    print(f"RANK {rank} OK", flush=True)
+
+
+def check_limit(cfg) -> None:
+    """Construction fails with the largest safe --max-num-batched-tokens, which does fit."""
+    from atom_moe.ep.buffers import BufferLimitError, check_limits
+    from atom_moe.plugins.common import LimitError
+
+    try:
+        cases.build(scheme, cfg, hidden_size=7168)
+    except LimitError as exc:
+        msg = str(exc)
+    else:
+        raise AssertionError("a layer whose buffers pass int32 was built")
+    assert "--max-num-batched-tokens=131072" in msg, msg
+    safe = int(re.search(r"largest safe --max-num-batched-tokens is (\d+)", msg).group(1))
+    spec = cases.MoESpec(hidden_size=7168, intermediate_size=cases.INTER[scheme], num_experts=cases.E, top_k=cases.K)
+    check_limits(spec, world, safe, transport="torch")  # the named value fits ...
+    try:
+        check_limits(spec, world, safe + 1, transport="torch")  # ... and is the largest that does
+    except BufferLimitError:
+        return
+    raise AssertionError(f"{safe} is not the largest safe value")
+
+
+if __name__ == "__main__":
+    main()
