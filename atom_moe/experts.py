@@ -26,6 +26,15 @@ if TYPE_CHECKING:
 SUPPORTED = (Scheme.BF16, Scheme.FP8, Scheme.A16W4, Scheme.A8W4)
 
 
+def choose_backend(scheme: Scheme, device: torch.device) -> str | None:
+    """'triton' (graph-safe fused_experts) where it runs this scheme, 'torch' (experts_torch) on the CPU, else None."""
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "torch"
+    if scheme in SUPPORTED:
+        return "triton"
+    return "torch" if device.type == "cpu" else None
+
+
 def _kernels():
     # Imported lazily: the package imports without Triton; only this path needs it.
     from atom_moe.kernels import gemm1, gemm2, routing, tuning

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .ep.buffers import INT32_MAX, WIRES, BufferLimitError, buffer_plan, buffer_sizes, check_limits
+from .ep.buffers import INT32_MAX, WIRES, BufferLimitError, buffer_plan, buffer_sizes, check_limits, largest_true
 from .hf_config import ModelLayer, load_model
 from .spec import FP8_BLOCK, MX_BLOCK, MoESpec, Scheme, SpecError
 
@@ -65,18 +65,6 @@ def int32_quantities(spec: MoESpec, ep: int, tokens: int, wire: str, transport: 
             for name, b in plan.items()]
     # mirrors ep/buffers._violations: the pairs one rank's experts step may receive
     return rows + [("(token, expert) pairs one rank's experts may receive", ep * tokens * spec.top_k)]
-
-
-def largest(fits, upper: int) -> int:
-    """The largest t in [0, upper] with fits(t), for a predicate true up to some point (0 if none)."""
-    lo, hi = 0, upper
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 @dataclass
@@ -171,8 +159,8 @@ def make_plan(layer: ModelLayer, *, ep: int, dp: int | None = None, tp: int = 1,
     def fits_memory(t: int) -> bool:
         return weight_bytes + sum(sizes(t).values()) + reserve_bytes <= engine
 
-    max_int32 = largest(fits_int32, SEARCH_CAP)
-    max_mem = largest(fits_memory, SEARCH_CAP)
+    max_int32 = largest_true(fits_int32, SEARCH_CAP)
+    max_mem = largest_true(fits_memory, SEARCH_CAP)
     budget = tokens if tokens is not None else max(1, min(max_int32, max_mem))
     buffers = sizes(budget)
     problems = []

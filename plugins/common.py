@@ -158,7 +158,7 @@ def check_start_limits(spec: MoESpec, *, ep_size: int, tokens: int, wire: str, t
     engine setting in the message. Checks the int32 byte/index guard of every buffer and,
     when `free_bytes` is given, that the buffers fit in free device memory.
     """
-    from ..ep.buffers import BufferLimitError, buffer_sizes, check_limits
+    from ..ep.buffers import BufferLimitError, buffer_sizes, check_limits, largest_true
 
     def setting(rows: int) -> int:
         return rows // scale
@@ -166,7 +166,7 @@ def check_start_limits(spec: MoESpec, *, ep_size: int, tokens: int, wire: str, t
     try:
         check_limits(spec, ep_size, tokens, wire, transport=transport, experts_backend=experts_backend)
     except BufferLimitError as exc:
-        safe = _largest(lambda t: _fits_int32(spec, ep_size, t, wire, transport, experts_backend), tokens)
+        safe = largest_true(lambda t: _fits_int32(spec, ep_size, t, wire, transport, experts_backend), tokens)
         raise LimitError(f"{flag}={setting(tokens)} is too large for this MoE layer: {exc} "
                          f"The largest safe {flag} is {setting(safe)}.") from None
     need = sum(buffer_sizes(spec, ep_size, tokens, wire, transport=transport, experts_backend=experts_backend).values())
@@ -174,7 +174,7 @@ def check_start_limits(spec: MoESpec, *, ep_size: int, tokens: int, wire: str, t
         def fits(t: int) -> bool:
             sizes = buffer_sizes(spec, ep_size, t, wire, transport=transport, experts_backend=experts_backend)
             return sum(sizes.values()) <= free_bytes
-        safe = _largest(fits, tokens)
+        safe = largest_true(fits, tokens)
         raise LimitError(f"{flag}={setting(tokens)} needs {need / 2**30:.2f} GiB of MoE buffers per rank but only "
                          f"{free_bytes / 2**30:.2f} GiB is free; the largest safe {flag} is {setting(safe)}")
     return need
@@ -190,13 +190,3 @@ def _fits_int32(spec, ep_size, tokens, wire, transport, backend) -> bool:
     return True
 
 
-def _largest(fits, upper: int) -> int:
-    """The largest t in [0, upper] with fits(t), for a monotone predicate (0 if none)."""
-    lo, hi = 0, upper
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

@@ -34,6 +34,8 @@ largest max_tokens_per_rank that fits.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from dataclasses import dataclass
 
 import torch
@@ -161,19 +163,27 @@ def _violations(spec: MoESpec, ep_size: int, mtpr: int, wire: str, transport: st
     return bad
 
 
+def largest_true(fits: Callable[[int], bool], upper: int) -> int:
+    """The largest t in [0, upper] with fits(t), for a predicate true up to some point (0 if none)."""
+    lo, hi = 0, upper
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def check_limits(spec: MoESpec, ep_size: int, max_tokens_per_rank: int, wire: str = "bf16", *,
                  transport: str | None = None, experts_backend: str = "torch") -> None:
     """Raise BufferLimitError, naming the largest safe max_tokens_per_rank, if any buffer passes int32."""
     bad = _violations(spec, ep_size, max_tokens_per_rank, wire, transport, experts_backend)
     if not bad:
         return
-    lo, hi = 0, max_tokens_per_rank  # plan sizes grow with max_tokens_per_rank: bisect the largest safe value
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if _violations(spec, ep_size, mid, wire, transport, experts_backend):
-            hi = mid
-        else:
-            lo = mid
+    # plan sizes grow with max_tokens_per_rank: bisect the largest safe value
+    lo = largest_true(lambda t: not _violations(spec, ep_size, t, wire, transport, experts_backend),
+                      max_tokens_per_rank)
     raise BufferLimitError(
         f"max_tokens_per_rank={max_tokens_per_rank} with EP size {ep_size} (H={spec.hidden_size}, "
         f"I={spec.intermediate_size}, top_k={spec.top_k}, wire={wire}, experts={experts_backend}) needs buffers "

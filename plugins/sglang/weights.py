@@ -7,11 +7,11 @@ config, expert placement and server arguments. Nothing is inferred from tensor s
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
+from ...experts import choose_backend
 from ...layout import GateUpLayout
 from ...spec import Activation, ActivationKind, MoESpec, Scheme, SpecError
 from ...weights import PreparedWeights, prepare_stacked
@@ -96,18 +96,6 @@ def local_experts(layer) -> tuple[int, ...] | str:
     return local_experts_from_map(table, layer.num_experts)
 
 
-def _backend(scheme: Scheme, device: torch.device) -> str | None:
-    """'triton' (graph-safe fused_experts), 'torch' (experts_torch, CPU), or None."""
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        return "torch"
-    try:
-        from ...experts import SUPPORTED
-    except ImportError:
-        return "torch" if device.type == "cpu" else None
-    if scheme in SUPPORTED:
-        return "triton"
-    return "torch" if device.type == "cpu" else None
-
 
 def server_args():
     """SGLang's server arguments in this process (runtime_context in 0.5.23, a global in 0.5.14)."""
@@ -182,7 +170,7 @@ def plan_layer(layer, method, fused_flag: bool) -> LayerPlan | str:
     if len(experts) != layer.num_local_experts:
         return (f"SGLang's placement gives {len(experts)} local experts but the layer holds "
                 f"{layer.num_local_experts}")
-    backend = _backend(scheme, w13.device)
+    backend = choose_backend(scheme, w13.device)
     if backend is None:
         return f"our GPU experts do not take scheme {scheme.value} yet"
 

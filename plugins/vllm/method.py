@@ -17,7 +17,6 @@ without Inductor (vLLM calls `quant_method.apply` in both).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +30,7 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import Un
 from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
 from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4Config, GptOssMxfp4MoEMethod
 
+from ...experts import choose_backend
 from ...layout import GateUpLayout
 from ...spec import Activation, ActivationKind, MoESpec, Scheme, SpecError
 from ...weights import PreparedWeights, prepare_stacked
@@ -154,19 +154,6 @@ def _activation_of(layer: RoutedExperts, moe) -> tuple[Activation, GateUpLayout]
     return f"activation {act.value} (we take silu and swigluoai)"
 
 
-def _backend(scheme: Scheme, device: torch.device) -> str | None:
-    """'triton' (graph-safe fused_experts), 'torch' (experts_torch, CPU), or None (none for this device)."""
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if device.type == "cpu" and not interpret:
-        return "torch"
-    try:
-        from ...experts import SUPPORTED
-    except ImportError:
-        return "torch" if device.type == "cpu" else None
-    if scheme in SUPPORTED:
-        return "triton"
-    return "torch" if device.type == "cpu" else None
-
 
 def plan_layer(layer: RoutedExperts, inner: FusedMoEMethodBase, moe) -> LayerPlan | str:
     """Our plan for this layer, or the reason it keeps vLLM's path. Raises LimitError on bad limits."""
@@ -191,7 +178,7 @@ def plan_layer(layer: RoutedExperts, inner: FusedMoEMethodBase, moe) -> LayerPla
         return act
     activation, layout = act
     device = torch.device(moe.device) if moe.device is not None else torch.device("cpu")
-    backend = _backend(scheme, device)
+    backend = choose_backend(scheme, device)
     if backend is None:
         return f"our GPU experts do not take scheme {scheme.value} yet"
 
