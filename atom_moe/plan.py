@@ -22,7 +22,8 @@ import torch
 
 from .ep.buffers import INT32_MAX, WIRES, BufferLimitError, buffer_plan, buffer_sizes, check_limits, largest_true
 from .hf_config import ModelLayer, load_model
-from .spec import FP8_BLOCK, MX_BLOCK, MoESpec, Scheme, SpecError
+from .spec import MoESpec, SpecError
+from .weights import prepared_nbytes
 
 GiB = 2**30
 SEARCH_CAP = 2**20  # tokens per rank: a budget search stops here (no engine step is this large)
@@ -31,22 +32,6 @@ ENGINES = ("vllm", "sglang")
 
 class PlanError(ValueError):
     """Inputs that cannot be planned (bad sizes, layouts the fused path does not run)."""
-
-
-def prepared_weight_bytes(spec: MoESpec) -> int:
-    """Bytes of one layer's PreparedWeights on this rank (the table in atom_moe/weights.py)."""
-    H, I, E, El = spec.hidden_size, spec.intermediate_size, spec.num_experts, spec.num_local_experts
-    total = 4 * E  # expert_map int32 [E]
-    if spec.scheme is Scheme.BF16:
-        total += 2 * El * (2 * I * H + H * I)
-    elif spec.scheme is Scheme.FP8:
-        nb_i, nb_h = -(-I // FP8_BLOCK), -(-H // FP8_BLOCK)
-        total += El * (2 * I * H + H * I) + 4 * El * (nb_i * 2 * nb_h + nb_h * nb_i)
-    else:  # MXFP4: two e2m1 per byte, one e8m0 byte per 32 along K
-        total += El * (2 * I * H // 2 + H * I // 2) + El * (2 * I * H // MX_BLOCK + H * I // MX_BLOCK)
-    if spec.has_bias:
-        total += 4 * El * (2 * I + H)
-    return total
 
 
 def experts_backend_for(spec: MoESpec, requested: str = "auto") -> str:
@@ -143,7 +128,7 @@ def make_plan(layer: ModelLayer, *, ep: int, dp: int | None = None, tp: int = 1,
             raise PlanError(f"--experts-backend triton: the fused kernels do not take scheme {spec.scheme.value} "
                             f"yet (they take {', '.join(s.value for s in SUPPORTED)}); use auto or torch")
     # every rank owns the same number of experts under linear placement: rank 0 stands for all
-    weight_bytes = layer.moe_layers * prepared_weight_bytes(spec)
+    weight_bytes = layer.moe_layers * prepared_nbytes(spec)
     engine = int(gpu_bytes * utilization)
 
     def sizes(t: int) -> dict[str, int]:

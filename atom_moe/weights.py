@@ -24,7 +24,7 @@ import torch
 
 from . import formats
 from .layout import GateUpKind, GateUpLayout, GateUpTensor, interleave, require
-from .spec import FP8_BLOCK, MoESpec, Scheme
+from .spec import FP8_BLOCK, MX_BLOCK, MoESpec, Scheme
 
 
 class WeightError(ValueError):
@@ -87,6 +87,22 @@ class PreparedWeights:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def prepared_nbytes(spec: MoESpec) -> int:
+    """Bytes of one layer's PreparedWeights on this rank, from the spec alone (the table above)."""
+    H, I, E, El = spec.hidden_size, spec.intermediate_size, spec.num_experts, spec.num_local_experts
+    total = 4 * E  # expert_map int32 [E]
+    if spec.scheme is Scheme.BF16:
+        total += 2 * El * (2 * I * H + H * I)
+    elif spec.scheme is Scheme.FP8:
+        nb_i, nb_h = -(-I // FP8_BLOCK), -(-H // FP8_BLOCK)
+        total += El * (2 * I * H + H * I) + 4 * El * (nb_i * 2 * nb_h + nb_h * nb_i)
+    else:  # MXFP4: two e2m1 per byte, one e8m0 byte per 32 along K
+        total += El * (2 * I * H // 2 + H * I // 2) + El * (2 * I * H // MX_BLOCK + H * I // MX_BLOCK)
+    if spec.has_bias:
+        total += 4 * El * (2 * I + H)
+    return total
 
 
 # ---------------------------------------------------------------- one matrix

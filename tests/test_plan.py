@@ -12,7 +12,8 @@ import torch.distributed as dist
 from atom_moe.cli import main
 from atom_moe.ep import BufferLimitError, MegaMoE, check_limits
 from atom_moe.hf_config import PRESET_MOE_LAYERS, ModelLayer, load_model, spec_from_config
-from atom_moe.plan import GiB, PlanError, make_plan, prepared_weight_bytes
+from atom_moe.plan import GiB, PlanError, make_plan
+from atom_moe.weights import prepared_nbytes
 from atom_moe.presets import PRESETS
 from atom_moe.spec import MoESpec, Scheme, SpecError
 from atom_moe.synthetic import random_layer
@@ -79,7 +80,7 @@ def test_weight_bytes_equal_prepared_weights(scheme, bias, seed):
                           has_bias=bias).for_rank(1, 2)
     raw = random_layer(spec, generator=g)
     prepared = prepare_stacked(spec, raw.w13, raw.w2, layout="separated", w13_bias=raw.w13_bias, w2_bias=raw.w2_bias)
-    assert prepared_weight_bytes(spec) == prepared.nbytes()
+    assert prepared_nbytes(spec) == prepared.nbytes()
 
 
 SMALL = MoESpec.create(hidden_size=320, intermediate_size=192, num_experts=8, top_k=3, scheme="fp8")
