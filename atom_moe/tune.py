@@ -6,7 +6,7 @@ Per table key (device, scheme, H, I, E local, top_k) and token bucket:
    (the scheme's dequantized weights and activation quantization); wrong or failing
    candidates are dropped, with the reason;
 2. the survivors are timed in the production op: EP 1 runs MegaMoE's forward (local
-   transport) with the candidate forced into the kernels' table lookup; EP > 1 runs the
+   transport) with the candidate as the op's `tile_config` (instead of the table lookup); EP > 1 runs the
    op's experts step on the rows the torch transport delivers to rank 0 (N = EP x tokens
    rows, unused ones with id -1), because one process cannot run the all-to-all (its cost
    does not depend on the tile config);
@@ -30,8 +30,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -151,19 +150,6 @@ def _valid(t, bm, n1, k1, n2, k2, scheme) -> bool:
 FAMILIES: dict[str, Callable[[Key, str], list]] = {"triton": triton_candidates}
 
 
-# ---------------------------------------------------------------- forcing a config into the op
-@contextmanager
-def forced_config(cfg) -> Iterator[None]:
-    """Make the kernels' table lookup answer `cfg` (the op then runs exactly as with a tuned row)."""
-    t = _tuning()
-    saved = t.lookup
-    t.lookup = lambda *args, **kwargs: cfg
-    try:
-        yield
-    finally:
-        t.lookup = saved
-
-
 # ---------------------------------------------------------------- the bench: check and time one config
 @dataclass
 class LayerData:
@@ -217,31 +203,37 @@ class OpBench:
                                  act_quant=self.spec.scheme if self.spec.scheme.fp8_activations else None)
         self._call = self._build_call()
 
-    def _build_call(self) -> Callable[[], torch.Tensor]:
+    def _build_call(self) -> Callable[[object], torch.Tensor]:
         if self.ep == 1:  # the real op: MegaMoE forward, local transport, fused experts
             from .ep import MegaMoE
             self.op = MegaMoE(self.spec, max_tokens_per_rank=self.x.shape[0], transport="local",
                               experts_backend="triton", device=self.device)
             self.op.bind(self.weights)
-            return lambda: self.op.forward(self.x, self.w, self.ids)
+            return lambda cfg: self._op_forward(cfg)
         # EP > 1: the op's experts step as MegaMoE._experts calls it (workspace and output for N rows)
         from .experts import allocate_workspace, fused_experts
         ws = allocate_workspace(self.spec, self.x.shape[0], self.device)
         out = torch.empty_like(self.x)
-        return lambda: fused_experts(self.x, self.w, self.ids, self.weights, self.spec, workspace=ws, out=out)
+        return lambda cfg: fused_experts(self.x, self.w, self.ids, self.weights, self.spec, workspace=ws, out=out,
+                                         config=cfg)
+
+    def _op_forward(self, cfg) -> torch.Tensor:
+        self.op.tile_config = cfg  # the op then runs exactly as with a tuned row for cfg
+        try:
+            return self.op.forward(self.x, self.w, self.ids)
+        finally:
+            self.op.tile_config = None
 
     def check(self, cfg) -> float:
         """Relative error of `cfg`'s output against the reference (raises if the config fails)."""
-        with forced_config(cfg):
-            out = self._call()
+        out = self._call(cfg)
         ref = self.ref
         den = ref.norm().item()
         return (out.float() - ref).norm().item() / den if den else 0.0
 
     def time(self, cfg) -> float:
         """us of one forward with `cfg`, by the injected timer."""
-        with forced_config(cfg):
-            return self.timer(self._call)
+        return self.timer(lambda: self._call(cfg))
 
     def close(self) -> None:
         if getattr(self, "op", None) is not None:

@@ -64,6 +64,9 @@ class MegaMoE:
         self.device = _normalize_device(device)
         self._closed = False
         self._weights: PreparedWeights | None = None
+        # A TileConfig that replaces the tuned-table lookup (atom-moe tune times candidates this way);
+        # None: the kernels look their config up as usual.
+        self.tile_config = None
         self._owned_cpu_group = False
         self.group, self.rank, self.world = self._resolve_group(group)
         self.cpu_group = self._resolve_cpu_group(cpu_group, timeout) if self.world > 1 else None
@@ -232,7 +235,8 @@ class MegaMoE:
         if self.experts_backend == "triton":
             from ..experts import fused_experts
             out = self.buffers.get("expert_out")  # torch transport: persistent; local: a fresh [T, H] output
-            return fused_experts(x, w, ids, self._weights, self.spec, workspace=self._workspace, out=out)
+            return fused_experts(x, w, ids, self._weights, self.spec, workspace=self._workspace, out=out,
+                                 config=self.tile_config)
         from ..experts_torch import experts_torch
         return experts_torch(x, w, ids, self._weights, self.spec)
 
