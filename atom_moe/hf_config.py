@@ -16,11 +16,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .presets import PRESETS, preset
+from .presets import PRESET_MOE_LAYERS, PRESETS, preset
 from .spec import Activation, ActivationKind, MoESpec, Routing, Scheme, Scoring, SpecError
 
 # MoE decoder layers per preset (num_hidden_layers minus dense layers, from the same configs)
-PRESET_MOE_LAYERS = {"deepseek-v3": 58, "kimi-k2": 60, "gpt-oss-120b": 36, "qwen3-235b-a22b": 94, "glm-4.5": 89}
 
 
 @dataclass(frozen=True)

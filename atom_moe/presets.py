@@ -45,6 +45,10 @@ PRESETS: dict[str, MoESpec] = {
 }
 
 
+# Decoder layers that carry this MoE layer (num_hidden_layers minus first_k_dense_replace).
+PRESET_MOE_LAYERS = {"deepseek-v3": 58, "kimi-k2": 60, "gpt-oss-120b": 36, "qwen3-235b-a22b": 94, "glm-4.5": 89}
+
+
 def preset(name: str, **overrides) -> MoESpec:
     """A preset by name, with optional field overrides (e.g. scheme="bf16")."""
     key = name.lower()

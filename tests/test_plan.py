@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from atom_moe.cli import main
 from atom_moe.ep import BufferLimitError, MegaMoE, check_limits
-from atom_moe.hf_config import PRESET_MOE_LAYERS, ModelLayer, load_model, spec_from_config
+from atom_moe.hf_config import ModelLayer, load_model, spec_from_config
+from atom_moe.presets import PRESET_MOE_LAYERS
 from atom_moe.plan import GiB, PlanError, make_plan
 from atom_moe.weights import prepared_nbytes
 from atom_moe.presets import PRESETS
