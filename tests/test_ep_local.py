@@ -106,3 +106,28 @@ def test_build_rejects_foreign_placement_and_bad_capacity():
     for bad in (0, -3, 2.5):
         with pytest.raises(MegaMoEError, match="max_tokens_per_rank must be a positive int"):
             MegaMoE(spec1, None, max_tokens_per_rank=bad, experts_backend="torch", device="cpu")
+
+
+@pytest.mark.parametrize("transport", ["local", "torch"])
+def test_outputs_are_not_overwritten_by_the_next_call(transport, seed):
+    """One op serves every layer: a layer's output must survive the next layer's forward (fp32 x too)."""
+    import torch.distributed as dist
+
+    spec = MoESpec.create(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K)
+    first, ref_first = layer(spec, seed)
+    second, _ = layer(spec, seed + 1)
+    gen = torch.Generator().manual_seed(seed)
+    if transport == "torch":
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with make_op(spec, transport=transport) as op:
+            x, w, ids = random_tokens(spec, C, generator=gen)
+            x = x.float()
+            out1 = op(x, w, ids, first)
+            kept = out1.clone()
+            op(random_tokens(spec, C, generator=gen)[0].float(), w, ids, second)
+            assert torch.equal(out1, kept), "the previous layer's output was overwritten"
+            check(out1, x, w, ids, ref_first, spec)
+    finally:
+        if transport == "torch":
+            dist.destroy_process_group()

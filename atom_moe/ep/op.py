@@ -229,7 +229,11 @@ class MegaMoE:
         xin, w, ids = self.transport.dispatch(x, topk_weights, topk_ids)
         y = self._experts(xin, w, ids)
         out = self.transport.combine(y, num_tokens)
-        return out if out.dtype == x.dtype else out.to(x.dtype)
+        if self.transport_name == "local":  # the experts step's own fresh output
+            return out if out.dtype == x.dtype else out.to(x.dtype)
+        # the torch transport combines into a persistent buffer that the next layer's call reuses:
+        # the caller gets its own tensor (for bf16 x this is the fp32 -> bf16 copy anyway)
+        return out.to(x.dtype, copy=True)
 
     def _experts(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.experts_backend == "triton":
