@@ -21,6 +21,7 @@ from .spec import FP8_BLOCK, MoESpec, Scheme
 from .weights import PreparedWeights
 
 if TYPE_CHECKING:
+    from atom_moe.kernels.gemm2 import RemoteOutput
     from atom_moe.kernels.tuning import TileConfig
 
 SUPPORTED = (Scheme.BF16, Scheme.FP8, Scheme.A16W4, Scheme.A8W4)
@@ -109,13 +110,14 @@ def device_name(device: torch.device) -> str:
     return _device_names[key]
 
 
-def _check_inputs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, spec: MoESpec) -> None:
+def _check_inputs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, spec: MoESpec,
+                  allow_fp8: bool = False) -> None:
     if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"fused_experts runs Triton kernels: x is on {x.device}; allowed: a CUDA device, "
                          f"or any device under TRITON_INTERPRET=1 (the CPU interpreter)")
     if x.dim() != 2 or x.shape[1] != spec.hidden_size:
         raise ValueError(f"x must be [T, H={spec.hidden_size}], got {tuple(x.shape)}")
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) + ((FP8_DTYPE,) if allow_fp8 else ()):
         raise ValueError(f"x dtype {x.dtype} not supported; allowed: bfloat16, float16, float32")
     if x.stride(1) != 1:
         raise ValueError("x must have a contiguous last dim (stride(1) == 1)")
@@ -136,23 +138,40 @@ def _check_inputs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
 
 def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, weights: PreparedWeights,
                   spec: MoESpec, *, workspace: Workspace | None = None, config: TileConfig | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
+                  remote: RemoteOutput | None = None) -> torch.Tensor | None:
     """[T, H] in x.dtype: sum over top-k of weight * expert(x) for this rank's local experts.
 
     `config` (a kernels.tuning.TileConfig) overrides the table lookup; `out` (optional,
-    [T, H] in x.dtype, last dim contiguous) receives the result.
+    [T, H] in x.dtype, last dim contiguous) receives the result. Used by the symm transport:
+    `x_scale` marks x as already e4m3 per token-group-128 (fp8-activation schemes skip the
+    quant), and `remote` (kernels.gemm2.RemoteOutput) pushes the results to the source
+    ranks instead; the call then returns None.
     """
     if spec.scheme not in SUPPORTED:
         raise ValueError(f"fused_experts supports schemes {[s.value for s in SUPPORTED]}, got {spec.scheme.value}")
     weights.check(spec)
-    _check_inputs(x, topk_weights, topk_ids, spec)
+    pre_quantized = x_scale is not None
+    if pre_quantized:
+        if not spec.scheme.fp8_activations or x.dtype != FP8_DTYPE:
+            raise ValueError(f"x_scale means x is e4m3 for an fp8-activation scheme (fp8, a8w4); got x {x.dtype} "
+                             f"for scheme {spec.scheme.value}")
+        if tuple(x_scale.shape) != (x.shape[0], -(-spec.hidden_size // FP8_BLOCK)) or x_scale.dtype != torch.float32:
+            raise ValueError(f"x_scale must be fp32 [T, ceil(H/128)], got {x_scale.dtype} {tuple(x_scale.shape)}")
+        _check_inputs(x, topk_weights, topk_ids, spec, allow_fp8=True)
+    else:
+        _check_inputs(x, topk_weights, topk_ids, spec)
     routing, gemm1, gemm2, tuning = _kernels()
     T, k, E_l = x.shape[0], spec.top_k, spec.num_local_experts
-    if out is None:
-        out = torch.empty(T, spec.hidden_size, dtype=x.dtype, device=x.device)
-    elif out.shape != x.shape or out.dtype != x.dtype or out.device != x.device or out.stride(1) != 1:
-        raise ValueError(f"out must be [T, H] = {list(x.shape)} {x.dtype} on {x.device} with a contiguous "
-                         f"last dim, got {list(out.shape)} {out.dtype} on {out.device}")
+    if remote is not None:
+        if out is not None:
+            raise ValueError("fused_experts: pass either out or remote, not both")
+    elif out is None:
+        out = torch.empty(T, spec.hidden_size, dtype=torch.bfloat16 if pre_quantized else x.dtype, device=x.device)
+    elif (out.shape != x.shape or out.dtype != (torch.bfloat16 if pre_quantized else x.dtype)
+          or out.device != x.device or out.stride(1) != 1):
+        raise ValueError(f"out must be [T, H] = {list(x.shape)} {torch.bfloat16 if pre_quantized else x.dtype} on "
+                         f"{x.device} with a contiguous last dim, got {list(out.shape)} {out.dtype} on {out.device}")
     if T == 0:
         return out
     if weights.w2.device != x.device:
@@ -164,18 +183,21 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     ws.check(spec, T)
     fp8 = spec.scheme.fp8_activations  # fp8 and a8w4
     n_blocks = routing.max_blocks(T * k, E_l, cfg.block_m)
+    quant = fp8 and not pre_quantized
     routing.routing_metadata(topk_ids, weights.expert_map, E_l, cfg.block_m, ws.sorted_ids, ws.block_expert,
                              ws.cursor, x, out, ws.counters, ws.n_counters,
-                             xq=ws.x_q if fp8 else None, xs=ws.x_scale if fp8 else None)
+                             xq=ws.x_q if quant else None, xs=ws.x_scale if quant else None,
+                             sent=(remote.info, remote.capacity) if remote is not None else None)
     act = spec.activation
-    gemm1.gemm1(ws.x_q if fp8 else x, ws.x_scale, weights.w13, weights.w13_scale, weights.w13_bias,
+    x1, x1_scale = (x, x_scale) if pre_quantized else (ws.x_q, ws.x_scale) if fp8 else (x, None)
+    gemm1.gemm1(x1, x1_scale, weights.w13, weights.w13_scale, weights.w13_bias,
                 ws.sorted_ids, ws.block_expert, n_blocks, k, ws.inter, ws.inter_scale,
                 oai=act.kind.value == "swiglu_oai", alpha=act.alpha, limit=act.limit,
                 block_m=cfg.block_m, block_n=cfg.block_n1, block_k=cfg.block_k1,
                 num_warps=cfg.warps1, num_stages=cfg.stages1, group_m=cfg.group_m)
     gemm2.gemm2(ws.inter, ws.inter_scale, weights.w2, weights.w2_scale, weights.w2_bias,
                 ws.sorted_ids, ws.block_expert, n_blocks, topk_ids, weights.expert_map, topk_weights,
-                ws.partial, ws.counters, ws.n_counters, out,
+                ws.partial, ws.counters, ws.n_counters, out if out is not None else ws.partial,
                 block_m=cfg.block_m, block_n=cfg.block_n2, block_k=cfg.block_k2,
-                num_warps=cfg.warps2, num_stages=cfg.stages2, group_m=cfg.group_m)
+                num_warps=cfg.warps2, num_stages=cfg.stages2, group_m=cfg.group_m, remote=remote)
     return out

@@ -6,9 +6,17 @@ that brings a token's counter to its number of local slots sums that token's par
 in slot order 0..k-1 and writes out[token, n-tile]. The result is bitwise independent
 of the programs' finishing order (float atomics would not be), and needs no zeroed
 output: the routing launch zeroes the counters, so the layer stays at three launches.
+
+REMOTE (symm transport, kernels/transport.py): the rows are other ranks' tokens. For a
+source in fused mode each weighted (token, slot) row goes straight into that source's
+`slots` row t*k + j; for a source in split mode the token's local slots are combined as
+above and the sum goes into the source's `returned` row rank*C + t. `delta[s]` (bytes)
+turns a local buffer address into rank s's mapping of it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -20,13 +28,30 @@ from .mxfp4 import tile_bf16, tile_e4m3
 GROUP = 128  # host-side twin of common.QGROUP
 
 
+@dataclass(frozen=True)
+class RemoteOutput:
+    """Where GEMM2 pushes results for the symm transport (kernels/transport.py layout)."""
+
+    delta: torch.Tensor  # int64 [W]: byte distance to each rank's mapping of this rank's heap
+    info: torch.Tensor  # int32 [W, 2]: (tokens sent, combine mode) per source rank
+    slots: torch.Tensor  # bf16 [C*k, H]
+    returned: torch.Tensor  # bf16 [W*C, H]
+    capacity: int
+    rank: int
+
+    def args(self) -> tuple:
+        """The kernel arguments, in order."""
+        return self.delta, self.info, self.slots, self.returned, self.capacity, self.rank
+
+
 @triton.jit
 def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, sorted_ptr, block_expert_ptr,
                   ids_ptr, emap_ptr, topk_w_ptr, partial_ptr, counters_ptr, n_counters, out_ptr, stride_out,
                   num_pairs, num_experts, hidden, inter, n_blocks,
+                  delta_ptr, info_ptr, slots_ptr, returned_ptr, capacity, rank,
                   FP8: tl.constexpr, W4: tl.constexpr, HAS_BIAS: tl.constexpr, TOPK: tl.constexpr, KP2: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr, INTERP: tl.constexpr):
+                  GROUP_M: tl.constexpr, INTERP: tl.constexpr, REMOTE: tl.constexpr):
     pid_m, pid_n = tile_ids(n_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
@@ -95,13 +120,27 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, sorted_ptr, block_expe
         acc += tl.load(bias_ptr + e64 * hidden + n, mask=n_ok, other=0.0)[None, :]
     weight = tl.load(topk_w_ptr + pair64, mask=row_ok, other=0.0).to(tl.float32)
     acc = acc * weight[:, None]
-    tile_mask = row_ok[:, None] & n_ok[None, :]
+    combine_rows = row_ok
+    if REMOTE:
+        src = tok // capacity
+        t_src = tok - src * capacity
+        # heaps are page-aligned and their buffers SYMM_ALIGN-aligned: say so, or the stores go scalar
+        d = tl.multiple_of(tl.load(delta_ptr + src, mask=row_ok, other=0) // 2, 16)  # bf16 elements
+        fused = row_ok & (tl.load(info_ptr + src * 2 + 1, mask=row_ok, other=0) == 1)
+        dst = slots_ptr + d + (t_src * TOPK + (pair64 - tok * TOPK)) * hidden
+        tl.store(dst[:, None] + n[None, :], cast(acc, slots_ptr.dtype.element_ty, INTERP),
+                 mask=fused[:, None] & n_ok[None, :])
+        combine_rows = row_ok & (fused == 0)
+        dst_row = returned_ptr + d + (rank * capacity + t_src) * hidden
+    else:
+        dst_row = out_ptr + tok * stride_out
+    tile_mask = combine_rows[:, None] & n_ok[None, :]
     tl.store(partial_ptr + pair64[:, None] * hidden + n[None, :], acc, mask=tile_mask)
 
     tl.debug_barrier()  # every thread's partial stores precede the release below
     seen = tl.atomic_add(counters_ptr + tok * n_counters + pid_n, tl.full([BLOCK_M], 1, tl.int32),
-                         mask=row_ok, sem="acq_rel", scope="gpu")
-    last = row_ok & (seen == needed - 1)
+                         mask=combine_rows, sem="acq_rel", scope="gpu")
+    last = combine_rows & (seen == needed - 1)
     if tl.sum(last.to(tl.int32), 0) > 0:
         tl.debug_barrier()  # the acquire above precedes every thread's partial loads
         total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -111,16 +150,19 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, sorted_ptr, block_expe
             ok = last & (tl.sum(tl.where(j[None, :] == s, slot_ok, False).to(tl.int32), 1) > 0)
             p_ptrs = partial_ptr + (tok * TOPK + s)[:, None] * hidden + n[None, :]
             total += tl.load(p_ptrs, mask=ok[:, None] & n_ok[None, :], other=0.0, cache_modifier=".cg")
-        tl.store(out_ptr + tok[:, None] * stride_out + n[None, :], cast(total, out_ptr.dtype.element_ty, INTERP),
+        tl.store(dst_row[:, None] + n[None, :], cast(total, dst_row.dtype.element_ty, INTERP),
                  mask=last[:, None] & n_ok[None, :])
-
 
 def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_scale: torch.Tensor | None,
           w2_bias: torch.Tensor | None, sorted_ids: torch.Tensor, block_expert: torch.Tensor, n_blocks: int,
           topk_ids: torch.Tensor, expert_map: torch.Tensor, topk_weights: torch.Tensor,
           partial: torch.Tensor, counters: torch.Tensor, n_counters: int, out: torch.Tensor, *,
-          block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int, group_m: int = 8) -> None:
-    """out[t] = sum_k w[t,k] * (act[row(t,k)] @ w2[e]^T (+bias)), deterministic combine."""
+          block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int, group_m: int = 8,
+          remote: "RemoteOutput | None" = None) -> None:
+    """out[t] = sum_k w[t,k] * (act[row(t,k)] @ w2[e]^T (+bias)), deterministic combine.
+
+    remote: push the results to the source ranks instead of `out` (see the module docstring).
+    """
     fp8 = a_scale is not None  # e4m3 activations (fp8, a8w4)
     w4 = w2.dtype == torch.uint8  # MXFP4 weights (a16w4, a8w4): w2 [E, H, I/2]
     if (w4 or fp8) != (w2_scale is not None):
@@ -141,7 +183,9 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
         a, a_scale if fp8 else a, w2, w2_scale if w2_scale is not None else w2, w2_bias if w2_bias is not None else w2,
         sorted_ids, block_expert, topk_ids, expert_map, topk_weights, partial, counters, n_counters,
         out, out.stride(0), num_tokens * top_k, expert_map.shape[0], hidden, inter, n_blocks,
+        *(remote.args() if remote is not None else (partial,) * 4 + (1, 0)),
         FP8=fp8, W4=w4, HAS_BIAS=w2_bias is not None, TOPK=top_k, KP2=triton.next_power_of_2(top_k),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, INTERP=interpreting(),
+        REMOTE=remote is not None,
         num_warps=num_warps, num_stages=num_stages,
     )

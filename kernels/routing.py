@@ -26,8 +26,19 @@ def max_blocks(num_pairs: int, num_local: int, block_m: int) -> int:
 
 
 @triton.jit
-def _local_expert(ids_ptr, emap_ptr, pair, mask, num_experts):
-    """Local expert of each pair, -1 for sentinels (outside [0, E)) and non-local experts."""
+def _row_sent(info_ptr, row, mask, capacity):
+    """Receive rows of the symm transport: row s*C + t holds data only while t < tokens sent by s."""
+    src = row // capacity
+    sent = tl.load(info_ptr + src * 2, mask=mask, other=0)
+    return mask & (row - src * capacity < sent)
+
+
+@triton.jit
+def _local_expert(ids_ptr, emap_ptr, pair, mask, num_experts, info_ptr, capacity,
+                  TOPK: tl.constexpr, SENT: tl.constexpr):
+    """Local expert of each pair, -1 for sentinels (outside [0, E)), non-local experts and unsent rows."""
+    if SENT:
+        mask = _row_sent(info_ptr, pair // TOPK, mask, capacity)
     gid = tl.load(ids_ptr + pair, mask=mask, other=-1).to(tl.int32)
     ok = mask & (gid >= 0) & (gid < num_experts)
     loc = tl.load(emap_ptr + gid, mask=ok, other=-1)
@@ -35,16 +46,29 @@ def _local_expert(ids_ptr, emap_ptr, pair, mask, num_experts):
 
 
 @triton.jit
-def _sort_program(ids_ptr, emap_ptr, sorted_ptr, block_expert_ptr, cursor_ptr,
+def _source_pairs(info_ptr, src, capacity, num_pairs, TOPK: tl.constexpr, SENT: tl.constexpr):
+    """(first pair, pair count) of one source's rows: SENT reads the count it sent, else all pairs."""
+    if SENT:
+        return src * capacity * TOPK, tl.load(info_ptr + src * 2) * TOPK
+    else:
+        return src * 0, num_pairs
+
+
+@triton.jit
+def _sort_program(ids_ptr, emap_ptr, sorted_ptr, block_expert_ptr, cursor_ptr, info_ptr, capacity, n_src,
                   num_pairs, num_experts, num_local, n_rows, n_blocks,
-                  BLOCK_M: tl.constexpr, NB: tl.constexpr, CHUNK: tl.constexpr, BB: tl.constexpr):
+                  BLOCK_M: tl.constexpr, NB: tl.constexpr, CHUNK: tl.constexpr, BB: tl.constexpr,
+                  TOPK: tl.constexpr, SENT: tl.constexpr):
     # Pass 1: histogram of local experts; bin num_local collects every pair that does no work.
+    # SENT: only the rows each source actually sent are read (cost follows the tokens, not the capacity)
     counts = tl.zeros([NB], dtype=tl.int32)
-    for start in range(0, num_pairs, CHUNK):
-        pair = start + tl.arange(0, CHUNK)
-        inb = pair < num_pairs
-        loc = _local_expert(ids_ptr, emap_ptr, pair, inb, num_experts)
-        counts += tl.histogram(tl.where(loc >= 0, loc, num_local), NB)
+    for src in range(0, n_src):
+        base, src_pairs = _source_pairs(info_ptr, src, capacity, num_pairs, TOPK, SENT)
+        for start in range(0, src_pairs, CHUNK):
+            off = start + tl.arange(0, CHUNK)
+            loc = _local_expert(ids_ptr, emap_ptr, base + off, off < src_pairs, num_experts, info_ptr, capacity,
+                                TOPK, SENT)
+            counts += tl.histogram(tl.where(loc >= 0, loc, num_local), NB)
     # Pass 2: padded per-expert row ranges (exclusive prefix sum); cursors start at each range.
     e = tl.arange(0, NB)
     counts = tl.where(e < num_local, counts, 0)
@@ -70,66 +94,95 @@ def _sort_program(ids_ptr, emap_ptr, sorted_ptr, block_expert_ptr, cursor_ptr,
     # Pass 3: scatter. The order inside an expert's rows is arrival order; it does not
     # change any result bit (each GEMM row is computed on its own, the combine sums in
     # slot order).
-    for start in range(0, num_pairs, CHUNK):
-        pair = start + tl.arange(0, CHUNK)
-        inb = pair < num_pairs
-        loc = _local_expert(ids_ptr, emap_ptr, pair, inb, num_experts)
-        work = loc >= 0
-        pos = tl.atomic_add(cursor_ptr + loc, tl.full([CHUNK], 1, tl.int32), mask=work)
-        tl.store(sorted_ptr + pos, pair.to(tl.int32), mask=work)
+    for src in range(0, n_src):
+        base, src_pairs = _source_pairs(info_ptr, src, capacity, num_pairs, TOPK, SENT)
+        for start in range(0, src_pairs, CHUNK):
+            off = start + tl.arange(0, CHUNK)
+            pair = base + off
+            loc = _local_expert(ids_ptr, emap_ptr, pair, off < src_pairs, num_experts, info_ptr, capacity,
+                                TOPK, SENT)
+            work = loc >= 0
+            pos = tl.atomic_add(cursor_ptr + loc, tl.full([CHUNK], 1, tl.int32), mask=work)
+            tl.store(sorted_ptr + pos, pair.to(tl.int32), mask=work)
 
 
 @triton.jit
 def _token_program(t, chunk, ids_ptr, emap_ptr, x_ptr, stride_x, xq_ptr, xs_ptr, out_ptr, stride_out,
-                   counters_ptr, n_counters, num_experts, hidden,
+                   counters_ptr, n_counters, num_experts, hidden, info_ptr, capacity,
                    TOPK: tl.constexpr, KP2: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
-                   GPC: tl.constexpr, CCHUNK: tl.constexpr, EMULATE: tl.constexpr):
+                   GPC: tl.constexpr, CCHUNK: tl.constexpr, EMULATE: tl.constexpr, SENT: tl.constexpr):
     # One [GPC, GROUP] column chunk of one token: a single round trip, no serial loop over H.
+    # SENT (symm receive rows): unsent rows do no work, and GEMM2 pushes its results to the
+    # source ranks, so there is no local output row to zero.
     t64 = t.to(tl.int64)
+    live = t >= 0
+    if SENT:
+        src = t // capacity
+        live = (t - src * capacity) < tl.load(info_ptr + src * 2)
+    if live:
+        _token_work(t64, chunk, ids_ptr, emap_ptr, x_ptr, stride_x, xq_ptr, xs_ptr, out_ptr, stride_out,
+                    counters_ptr, n_counters, num_experts, hidden, info_ptr, capacity,
+                    TOPK, KP2, QUANT, GROUP, GPC, CCHUNK, EMULATE, SENT)
+
+
+@triton.jit
+def _token_work(t64, chunk, ids_ptr, emap_ptr, x_ptr, stride_x, xq_ptr, xs_ptr, out_ptr, stride_out,
+                counters_ptr, n_counters, num_experts, hidden, info_ptr, capacity,
+                TOPK: tl.constexpr, KP2: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
+                GPC: tl.constexpr, CCHUNK: tl.constexpr, EMULATE: tl.constexpr, SENT: tl.constexpr):
     if chunk == 0:
         for start in range(0, n_counters, CCHUNK):
             c = start + tl.arange(0, CCHUNK)
             tl.store(counters_ptr + t64 * n_counters + c, tl.zeros([CCHUNK], dtype=tl.int32), mask=c < n_counters)
     j = tl.arange(0, KP2)
-    loc = _local_expert(ids_ptr, emap_ptr, t64 * TOPK + j, j < TOPK, num_experts)
+    loc = _local_expert(ids_ptr, emap_ptr, t64 * TOPK + j, j < TOPK, num_experts, info_ptr, capacity, TOPK, SENT)
     n_local = tl.sum((loc >= 0).to(tl.int32), 0)
     g = chunk * GPC + tl.arange(0, GPC)
     k = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     km = k < hidden
-    if n_local == 0:
-        tl.store(out_ptr + t64 * stride_out + k, tl.zeros([GPC, GROUP], dtype=out_ptr.dtype.element_ty), mask=km)
+    if not SENT:
+        if n_local == 0:
+            tl.store(out_ptr + t64 * stride_out + k, tl.zeros([GPC, GROUP], dtype=out_ptr.dtype.element_ty),
+                     mask=km)
     if QUANT:
-        v = tl.load(x_ptr + t64 * stride_x + k, mask=km, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(v), 1)
-        scale = tl.where(amax > 0, amax / FP8_MAX, 1.0)
-        q = tl.clamp(v / scale[:, None], -FP8_MAX, FP8_MAX)
-        tl.store(xq_ptr + t64 * hidden + k, cast(q, xq_ptr.dtype.element_ty, EMULATE), mask=km)
-        n_groups = tl.cdiv(hidden, GROUP)
-        tl.store(xs_ptr + t64 * n_groups + g, scale, mask=g < n_groups)
+        if n_local > 0:  # a token no local expert reads needs no quantized copy
+            v = tl.load(x_ptr + t64 * stride_x + k, mask=km, other=0.0).to(tl.float32)
+            amax = tl.max(tl.abs(v), 1)
+            scale = tl.where(amax > 0, amax / FP8_MAX, 1.0)
+            q = tl.clamp(v / scale[:, None], -FP8_MAX, FP8_MAX)
+            tl.store(xq_ptr + t64 * hidden + k, cast(q, xq_ptr.dtype.element_ty, EMULATE), mask=km)
+            n_groups = tl.cdiv(hidden, GROUP)
+            tl.store(xs_ptr + t64 * n_groups + g, scale, mask=g < n_groups)
 
 
 @triton.jit
 def _routing_kernel(ids_ptr, emap_ptr, sorted_ptr, block_expert_ptr, cursor_ptr,
                     x_ptr, stride_x, xq_ptr, xs_ptr, out_ptr, stride_out, counters_ptr, n_counters,
+                    info_ptr, capacity, n_src,
                     num_pairs, num_experts, num_local, n_rows, n_blocks, hidden, n_chunks,
                     BLOCK_M: tl.constexpr, NB: tl.constexpr, CHUNK: tl.constexpr, BB: tl.constexpr,
                     TOPK: tl.constexpr, KP2: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
-                    GPC: tl.constexpr, EMULATE: tl.constexpr):
+                    GPC: tl.constexpr, EMULATE: tl.constexpr, SENT: tl.constexpr):
     pid = tl.program_id(0)
     if pid == 0:
-        _sort_program(ids_ptr, emap_ptr, sorted_ptr, block_expert_ptr, cursor_ptr,
-                      num_pairs, num_experts, num_local, n_rows, n_blocks, BLOCK_M, NB, CHUNK, BB)
+        _sort_program(ids_ptr, emap_ptr, sorted_ptr, block_expert_ptr, cursor_ptr, info_ptr, capacity,
+                      n_src, num_pairs, num_experts, num_local, n_rows, n_blocks, BLOCK_M, NB, CHUNK, BB, TOPK, SENT)
     else:
         _token_program((pid - 1) // n_chunks, (pid - 1) % n_chunks, ids_ptr, emap_ptr, x_ptr, stride_x,
                        xq_ptr, xs_ptr, out_ptr, stride_out, counters_ptr, n_counters, num_experts, hidden,
-                       TOPK, KP2, QUANT, GROUP, GPC, 256, EMULATE)
+                       info_ptr, capacity, TOPK, KP2, QUANT, GROUP, GPC, 256, EMULATE, SENT)
 
 
 def routing_metadata(topk_ids: torch.Tensor, expert_map: torch.Tensor, num_local: int, block_m: int,
                      sorted_ids: torch.Tensor, block_expert: torch.Tensor, cursor: torch.Tensor,
-                     x: torch.Tensor, out: torch.Tensor, counters: torch.Tensor, n_counters: int,
-                     xq: torch.Tensor | None = None, xs: torch.Tensor | None = None) -> None:
-    """Fill sorted_ids / block_expert, zero counters and empty output rows, quantize x if xq given."""
+                     x: torch.Tensor, out: torch.Tensor | None, counters: torch.Tensor, n_counters: int,
+                     xq: torch.Tensor | None = None, xs: torch.Tensor | None = None,
+                     sent: tuple[torch.Tensor, int] | None = None) -> None:
+    """Fill sorted_ids / block_expert, zero counters and empty output rows, quantize x if xq given.
+
+    sent = (recv_info, C): topk_ids are symm receive rows; row s*C + t counts only while
+    t < recv_info[s, 0], and there is no output to zero (out may be None).
+    """
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
     n_blocks = max_blocks(num_pairs, num_local, block_m)
@@ -138,11 +191,13 @@ def routing_metadata(topk_ids: torch.Tensor, expert_map: torch.Tensor, num_local
     n_chunks = triton.cdiv(x.shape[1], gpc * 128)
     _routing_kernel[(1 + num_tokens * n_chunks,)](
         topk_ids, expert_map, sorted_ids, block_expert, cursor,
-        x, x.stride(0), xq if quant else x, xs if quant else x, out, out.stride(0), counters, n_counters,
+        x, x.stride(0), xq if quant else x, xs if quant else x, x if out is None else out,
+        x.stride(0) if out is None else out.stride(0), counters, n_counters,
+        sent[0] if sent else counters, sent[1] if sent else 1, sent[0].shape[0] if sent else 1,
         num_pairs, expert_map.shape[0], num_local, n_blocks * block_m, n_blocks, x.shape[1], n_chunks,
         BLOCK_M=block_m, NB=triton.next_power_of_2(num_local + 1), CHUNK=1024, BB=16,
         TOPK=top_k, KP2=triton.next_power_of_2(top_k), QUANT=quant, GROUP=128, GPC=gpc,
-        EMULATE=interpreting(), num_warps=8,
+        EMULATE=interpreting(), SENT=sent is not None, num_warps=8,
     )
 
 

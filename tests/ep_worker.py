@@ -97,8 +97,10 @@ def compare(checks: Checks, name: str, out: torch.Tensor, ref: torch.Tensor, x: 
     checks.record(name, ok, tokens=out.shape[0], rel=err / scale if scale else err)
 
 
-def make_case(case: str, spec: MoESpec, rank: int, world: int, owners: list[list[int]], seed: int):
+def make_case(case: str, spec: MoESpec, rank: int, world: int, owners: list[list[int]], seed: int, *,
+              experts: int = E, top_k: int = K, capacity: int = C):
     """(x, topk_weights, topk_ids) of this rank for one routing case; token counts differ per rank, one is 0."""
+    E, K, C = experts, top_k, capacity  # noqa: N806 (the module's defaults, or the caller's layer)
     shared = torch.Generator().manual_seed(seed)  # same on every rank: counts, the chosen expert and rank
     counts = torch.randint(1, C + 1, (world,), generator=shared)
     perm = torch.randperm(world, generator=shared)
@@ -158,6 +160,42 @@ def scenario_correctness(checks: Checks, rank: int, world: int, seed: int, schem
                 compare(checks, f"{tag} warmup {wc.name}", wc.out,
                         reference(spec_full, ref, wc.x, wc.topk_weights, wc.topk_ids, wire), wc.x)
             op.close()
+
+
+SYMM_CASES = (("bf16", "bf16"), ("fp8", "fp8"), ("a8w4", "bf16"), ("a16w4", "bf16"))
+
+
+def scenario_symm(checks: Checks, rank: int, world: int, seed: int):
+    """The symm transport through the real op: shared-file heaps, Triton kernels under the interpreter."""
+    from atom_moe.ep.symm import FUSED, SPLIT
+    for si, (scheme, wire) in enumerate(SYMM_CASES):
+        kind = "uneven" if si % 2 else "linear"
+        owners = placement(kind, world)
+        spec_full = MoESpec.create(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, scheme=scheme,
+                                   max_tokens_per_rank=C)
+        spec_rank = spec_full.for_rank(rank, world, tuple(owners[rank]) if kind == "uneven" else None)
+        layers = [make_layer(spec_full, spec_rank, seed + 100 * si + li) for li in range(2)]
+        op = MegaMoE(spec_rank, None, max_tokens_per_rank=C, transport="symm", wire=wire,
+                     experts_backend="triton", device="cpu")
+        tag = f"symm {scheme}/{wire}/{kind}"
+        planned = buffer_sizes(spec_rank, world, C, wire, transport="symm", experts_backend="triton")
+        checks.record(f"bytes {tag}", op.allocated_bytes() == sum(planned.values()),
+                      planned=sum(planned.values()), got=op.allocated_bytes())
+        for ci, case in enumerate(CASES):
+            x, w, ids = make_case(case, spec_full, rank, world, owners, seed + 1000 * (si * 4 + ci))
+            mine, ref = layers[ci % 2]
+            # ranks choose their combine mode independently: mix them
+            op.combine_override = FUSED if (ci + rank) % 2 else SPLIT
+            out = op(x, w, ids, mine)
+            compare(checks, f"{tag} {case} mode {op.combine_override}", out,
+                    reference(spec_full, ref, x, w, ids, wire), x)
+        op.combine_override = None
+        mine, ref = layers[0]
+        for wc in op.warmup(mine, seed=seed):
+            compare(checks, f"{tag} warmup {wc.name}", wc.out,
+                    reference(spec_full, ref, wc.x, wc.topk_weights, wc.topk_ids, wire), wc.x)
+        checks.record(f"{tag} no barrier timeouts", op.transport.errors() == 0)
+        op.close()
 
 
 def scenario_errors(checks: Checks, rank: int, world: int, seed: int):
@@ -231,10 +269,12 @@ def scenario_peer_fails(checks: Checks, rank: int, world: int, seed: int, timeou
     checks.record("peer failure within timeout", elapsed < timeout_s + 6, elapsed=elapsed, timeout=timeout_s)
 
 
-def scenario_gpu_graph(checks: Checks, rank: int, world: int, seed: int, local_rank: int):
+def scenario_gpu_graph(checks: Checks, rank: int, world: int, seed: int, local_rank: int, transport: str = "torch"):
     """NCCL + triton experts: warm-up, then capture the whole forward and replay with fresh routing each time."""
     device = torch.device("cuda", local_rank)
-    for scheme, wire in (("bf16", "bf16"), ("fp8", "fp8")):
+    torch.cuda.set_device(device)
+    cases = (("bf16", "bf16"), ("fp8", "fp8")) + ((("a8w4", "fp8"), ("a16w4", "bf16")) if transport == "symm" else ())
+    for scheme, wire in cases:
         spec_full = MoESpec.create(hidden_size=256, intermediate_size=128, num_experts=8, top_k=2, scheme=scheme,
                                    max_tokens_per_rank=32)
         spec = spec_full.for_rank(rank, world)
@@ -244,14 +284,27 @@ def scenario_gpu_graph(checks: Checks, rank: int, world: int, seed: int, local_r
         # and near-tie fp8 roundings of it then flip (measured ~1% Frobenius at this size), hiding real errors
         ref = ReferenceWeights.from_prepared(prepare_stacked(spec_full, raw.w13, raw.w2, layout="separated",
                                                              device=device))
-        op = MegaMoE(spec, max_tokens_per_rank=32, transport="torch", wire=wire, experts_backend="triton",
+        op = MegaMoE(spec, max_tokens_per_rank=32, transport=transport, wire=wire, experts_backend="triton",
                      device=device)
-        tag = f"gpu {scheme}/{wire}"
-        planned = buffer_sizes(spec, world, 32, wire, transport="torch", experts_backend="triton")
+        tag = f"gpu {transport} {scheme}/{wire}"
+        planned = buffer_sizes(spec, world, 32, wire, transport=transport, experts_backend="triton")
         checks.record(f"{tag} bytes", op.allocated_bytes() == sum(planned.values()))
         for wc in op.warmup(mine, seed=seed):
             compare(checks, f"{tag} warmup {wc.name}", wc.out,
                     reference(spec_full, ref, wc.x, wc.topk_weights, wc.topk_ids, wire), wc.x)
+        owners = [list(spec_full.for_rank(r, world).local_experts) for r in range(world)]
+        for ci, case in enumerate(("random", "skewed", "one_expert", "rank_gets_nothing")):
+            if world == 1 and case == "rank_gets_nothing":
+                continue  # one rank owns every expert
+            x, w, ids = make_case(case, spec_full, rank, world, owners, seed + 17 * ci, experts=8, top_k=2,
+                                  capacity=32)
+            x, w, ids = x.to(device), w.to(device), ids.to(device)
+            if transport == "symm":
+                from atom_moe.ep.symm import FUSED, SPLIT
+                op.combine_override = FUSED if (ci + rank) % 2 else SPLIT
+            out = op.forward(x, w, ids)
+            compare(checks, f"{tag} {case}", out, reference(spec_full, ref, x, w, ids, wire), x)
+        op.combine_override = None
         T = 29  # a batch size other than the warm-up's
         g = torch.Generator().manual_seed(seed + rank)
         x_s = torch.empty(T, 256, dtype=torch.bfloat16, device=device)
@@ -298,7 +351,7 @@ def scenario_gpu_graph(checks: Checks, rank: int, world: int, seed: int, local_r
 def main() -> int:
     scenario = sys.argv[1]
     timeout_s = float(os.environ.get("EP_TEST_PG_TIMEOUT", "60"))
-    backend = "nccl" if scenario == "gpu_graph" else "gloo"
+    backend = "nccl" if scenario.startswith("gpu_") else "gloo"
     info = init_distributed(backend, timeout=timedelta(seconds=timeout_s))
     rank, world = info.rank, info.world_size
     seed = int(os.environ.get("EP_TEST_SEED", "1234"))
@@ -311,8 +364,12 @@ def main() -> int:
             scenario_correctness(checks, rank, world, seed)
         elif scenario == "smoke":
             scenario_correctness(checks, rank, world, seed, schemes=("bf16", "a8w4"))
+        elif scenario == "symm":
+            scenario_symm(checks, rank, world, seed)
         elif scenario == "gpu_graph":
             scenario_gpu_graph(checks, rank, world, seed, info.local_rank)
+        elif scenario == "gpu_symm":
+            scenario_gpu_graph(checks, rank, world, seed, info.local_rank, transport="symm")
         elif scenario == "errors":
             scenario_errors(checks, rank, world, seed)
         elif scenario in ("peer_fails", "peer_dies"):
@@ -324,8 +381,9 @@ def main() -> int:
     except Exception:
         traceback.print_exc()
         checks.failed.append("exception")
+    start = time.monotonic()
     dist.destroy_process_group()  # teardown must finish: the launching test has a hard timeout
-    print(f"DONE rank={rank} failed={checks.failed}", flush=True)
+    print(f"DONE rank={rank} failed={checks.failed} teardown_s={time.monotonic() - start:.2f}", flush=True)
     return 1 if checks.failed else 0
 
 

@@ -101,3 +101,16 @@ def test_nccl_transport_graph(world, seed):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
     assert_all_passed(run_ranks("gpu_graph", world, seed, timeout=300))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [1, 2])
+def test_symm_transport_graph(world, seed):
+    """The symm transport over torch symmetric memory: routing cases, mixed combine modes, graph replays,
+    flat memory, and a teardown that finishes (the launcher's timeout fails a hang)."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
+    runs = run_ranks("gpu_symm", world, seed, timeout=300)
+    assert_all_passed(runs)
+    for rc, out, _ in runs:
+        assert "DONE rank=" in out

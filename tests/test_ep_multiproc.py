@@ -127,3 +127,11 @@ def test_under_mpiexec(seed, tmp_path):
         assert not failed and len(res) == checks_correctness(2, 2), f"rank {r}: {len(res)} checks, failed={failed}"
         assert res[0]["check"] == "launcher" and res[0]["launcher"] == "mpi" and res[0]["world"] == 2
     assert out.count("DONE rank=") == 2
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the symm transport's kernels run on the CPU "
+                    "only under TRITON_INTERPRET=1 (scripts/test.sh sets it)")
+def test_symm_transport_matches_reference(seed):
+    """2 processes, shared-file heaps, the op's symm transport: 4 schemes x 4 routings (mixed combine modes)."""
+    res = assert_all_passed(run_ranks("symm", 2, seed, timeout=400), 1 + 4 * (1 + 4 + 4 + 1))
+    assert {r["tokens"] for r in res if "tokens" in r} >= {0, 12}

@@ -22,6 +22,20 @@ that absorbs the writes of (token, rank) pairs that are not sent):
     combine_acc    fp32  [C, H]         per-token sum over ranks
     combine_tmp    bf16  [C, H]         one rank's gathered rows
   G' = G for the fp8 wire, 0 for bf16.
+symm transport (one-sided pushes; "symm." buffers live in the peer-mapped heap, each
+starting SYMM_ALIGN-aligned, the rest are ordinary device memory):
+    symm.recv_x      wire  [N, H]   tokens in, row s*C + t from source rank s
+    symm.recv_scale  fp32  [N, G]   fp8 wire only
+    symm.recv_ids    int32 [N, k]   global ids this rank owns, -1 for the other slots
+    symm.recv_w      fp32  [N, k]   routing weights
+    symm.recv_info   int32 [W, 2]   tokens sent and combine mode, per source rank
+    symm.slots       bf16  [C*k, H] fused combine: one weighted row per (token, slot)
+    symm.returned    bf16  [N, H]   split combine: one row per (rank, token)
+    symm.flags       int64 [W]      barrier epochs signalled by each peer
+    owner            int32 [E + 1]  owning rank of each expert, -1 for the sentinel slot
+    peer_delta       int64 [W]      byte distance to each peer's heap mapping
+    epoch            int64 [1]      barriers passed
+    error            int32 [1]      barrier waits that gave up on a peer
 local transport (EP = 1): no transport buffers.
 triton experts backend: plus, for the torch transport, expert_out bf16 [N, H] (the fused
 experts' output, read by the combine all-to-all), and the experts workspace for N rows (C for local), named
@@ -29,7 +43,8 @@ experts' output, read by the combine all-to-all), and the experts workspace for 
 
 Every buffer must be addressable with int32 byte offsets (a Triton kernel that forgets an
 int64 cast wraps silently past 2**31 - 1); `check_limits` enforces that and names the
-largest max_tokens_per_rank that fits.
+largest max_tokens_per_rank that fits. The exceptions are the buffers in INT64_INDEXED,
+whose every access computes offsets in int64 and has a GPU test past 2**31 bytes.
 """
 
 from __future__ import annotations
@@ -45,9 +60,17 @@ from ..spec import FP8_BLOCK, MoESpec
 
 INT32_MAX = 2**31 - 1
 WIRES = ("bf16", "fp8")
-TRANSPORTS = ("local", "torch")
+TRANSPORTS = ("local", "torch", "symm")
+SYMM_ALIGN = 256  # bytes: every heap buffer starts at a multiple (vector loads, int64 flags)
 BACKENDS = ("triton", "torch")
 COMBINE_DTYPE = torch.bfloat16  # expert outputs travel back in bf16 on every wire
+
+
+# name -> the GPU test that reaches past 2**31 bytes in it
+INT64_INDEXED = {
+    # GEMM2 writes and reads pair64 * H; the largest buffer by far (fp32, k rows per token)
+    "workspace.partial": "tests/test_kernels_gpu.py::test_int64_partial_rows",
+}
 
 
 class BufferLimitError(ValueError):
@@ -93,6 +116,9 @@ def _check_args(ep_size: int, max_tokens_per_rank: int, wire: str, transport: st
             raise ValueError(f"unknown {name} {value!r}; allowed: {', '.join(allowed)}")
     if transport == "local" and ep_size != 1:
         raise ValueError(f"the local transport serves EP size 1 only, got ep_size={ep_size}; use transport='torch'")
+    if transport == "symm" and experts_backend != "triton":
+        raise ValueError("the symm transport's results are pushed by the Triton GEMM2: it needs "
+                         "experts_backend='triton'")
 
 
 def buffer_plan(spec: MoESpec, ep_size: int, max_tokens_per_rank: int, wire: str = "bf16", *,
@@ -123,8 +149,23 @@ def buffer_plan(spec: MoESpec, ep_size: int, max_tokens_per_rank: int, wire: str
             combine_acc=BufferSpec((C, H), torch.float32),
             combine_tmp=BufferSpec((C, H), COMBINE_DTYPE),
         )
+    if transport == "symm":
+        plan.update({
+            "symm.recv_x": BufferSpec((N, H), wire_dtype(wire)),
+            **({"symm.recv_scale": BufferSpec((N, G), torch.float32)} if wire == "fp8" else {}),
+            "symm.recv_ids": BufferSpec((N, k), torch.int32),
+            "symm.recv_w": BufferSpec((N, k), torch.float32),
+            "symm.recv_info": BufferSpec((W, 2), torch.int32),
+            "symm.slots": BufferSpec((C * k, H), COMBINE_DTYPE),
+            "symm.returned": BufferSpec((N, H), COMBINE_DTYPE),
+            "symm.flags": BufferSpec((W,), torch.int64),
+            "owner": BufferSpec((E + 1,), torch.int32),
+            "peer_delta": BufferSpec((W,), torch.int64),
+            "epoch": BufferSpec((1,), torch.int64),
+            "error": BufferSpec((1,), torch.int32),
+        })
     if experts_backend == "triton":
-        rows = N if transport == "torch" else C
+        rows = C if transport == "local" else N
         if transport == "torch":  # the fused experts write here; the combine all-to-all reads it
             plan["expert_out"] = BufferSpec((N, H), COMBINE_DTYPE)
         plan.update({f"workspace.{name}": spec_ for name, spec_ in workspace_plan(spec, rows).items()})
@@ -156,7 +197,7 @@ def _violations(spec: MoESpec, ep_size: int, mtpr: int, wire: str, transport: st
                 experts_backend: str) -> list[str]:
     plan = buffer_plan(spec, ep_size, mtpr, wire, transport=transport, experts_backend=experts_backend)
     bad = [f"{name} {list(b.shape)} {str(b.dtype).removeprefix('torch.')} = {b.nbytes} bytes"
-           for name, b in plan.items() if b.nbytes > INT32_MAX]
+           for name, b in plan.items() if b.nbytes > INT32_MAX and name not in INT64_INDEXED]
     pairs = ep_size * mtpr * spec.top_k  # (token, expert) pairs one rank's experts step may receive
     if pairs > INT32_MAX:
         bad.append(f"{pairs} (token, expert) pairs")

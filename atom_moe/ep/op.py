@@ -16,6 +16,8 @@ import torch.distributed as dist
 from ..spec import MoESpec
 from ..weights import PreparedWeights
 from .buffers import BACKENDS, TRANSPORTS, WIRES, buffer_plan, check_limits, workspace_tensors
+from .paths import combine_mode
+from .symm import SymmTransport, cuda_heap, heap_nbytes, shm_heap
 from .transports import LocalTransport, TorchTransport, Transport, allocate
 
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -67,6 +69,9 @@ class MegaMoE:
         # A TileConfig that replaces the tuned-table lookup (atom-moe tune times candidates this way);
         # None: the kernels look their config up as usual.
         self.tile_config = None
+        # FUSED or SPLIT (atom_moe.ep.symm) to force the symm transport's combine mode (benchmarks,
+        # tests); None: the measured thresholds of atom_moe.ep.paths decide per call.
+        self.combine_override: int | None = None
         self._owned_cpu_group = False
         self.group, self.rank, self.world = self._resolve_group(group)
         self.cpu_group = self._resolve_cpu_group(cpu_group, timeout) if self.world > 1 else None
@@ -81,18 +86,28 @@ class MegaMoE:
         spec = self.spec
         problem = self._local_build_problem(transport, wire, experts_backend)
         owners = self._agree_at_build(problem)  # raises on every rank if any rank is at fault
-        self.transport_name = ("local" if self.world == 1 else "torch") if transport == "auto" else transport
         self.wire = wire
         self.experts_backend = self._resolve_backend(experts_backend)
+        self.transport_name = self._resolve_transport(transport)
         check_limits(spec, self.world, self.max_tokens_per_rank, wire, transport=self.transport_name,
                      experts_backend=self.experts_backend)  # same inputs on every rank: all raise alike
 
         plan = buffer_plan(spec, self.world, self.max_tokens_per_rank, wire, transport=self.transport_name,
                            experts_backend=self.experts_backend)
-        self.buffers = allocate({n: b for n, b in plan.items() if not n.startswith("workspace.")}, self.device)
-        self.transport: Transport
+        self.buffers = allocate({n: b for n, b in plan.items() if not n.startswith(("workspace.", "symm."))},
+                                self.device)
+        self.transport: Transport | SymmTransport
         if self.transport_name == "local":
             self.transport = LocalTransport(self.max_tokens_per_rank)
+        elif self.transport_name == "symm":
+            layout = {n: b for n, b in plan.items() if n.startswith("symm.")}
+            heap = (cuda_heap(heap_nbytes(layout), self.group, self.device) if self.device.type == "cuda"
+                    else shm_heap(heap_nbytes(layout), self.cpu_group))
+            self.buffers.update(heap.views(layout))
+            self.transport = SymmTransport(spec, self.rank, self.world, self.max_tokens_per_rank, wire, owners,
+                                           self.buffers, heap)
+            # every peer zeroed its heap before anyone may push into it
+            dist.barrier(group=self.cpu_group)
         else:
             self.transport = TorchTransport(spec, self.group, self.rank, self.world, self.max_tokens_per_rank,
                                             wire, owners, self.buffers)
@@ -143,6 +158,19 @@ class MegaMoE:
         if wire == "fp8" and (transport == "local" or (transport == "auto" and self.world == 1)):
             return ("wire='fp8' needs a transport that moves tokens; EP size 1 uses the local transport, which has "
                     "no wire: pass wire='bf16' (or transport='torch' to quantize on a 1-rank all-to-all)")
+        if transport == "symm":
+            if self.group is None:
+                return "transport='symm' needs an initialized torch.distributed process group"
+            if experts_backend == "torch":
+                return "transport='symm' pushes results from the Triton GEMM2: use experts_backend='triton' or 'auto'"
+            if self.device.type == "cuda" and not _symm_memory_available():
+                return "transport='symm' needs torch.distributed._symmetric_memory, which this torch lacks"
+            if self.device.type == "cpu" and not _triton_interpreter():
+                return ("transport='symm' on the CPU runs its Triton kernels under TRITON_INTERPRET=1 only "
+                        "(tests); use 'torch'")
+            if wire == "fp8" and not self.spec.scheme.fp8_activations:
+                return (f"transport='symm' with wire='fp8' feeds fp8-activation schemes (fp8, a8w4) only; scheme "
+                        f"{self.spec.scheme.value} computes on bf16 activations: use wire='bf16'")
         if transport == "torch" or (transport == "auto" and self.world > 1):
             if self.group is None:
                 return "transport='torch' needs an initialized torch.distributed process group"
@@ -189,6 +217,17 @@ class MegaMoE:
                 f"rank): unowned experts {missing[:16]}, experts on several ranks {dict(list(shared.items())[:16])}")
         return [owner_of[e][0] for e in range(s.num_experts)]
 
+    def _resolve_transport(self, requested: str) -> str:
+        """auto: local for one rank; symm on CUDA with the Triton experts; else torch."""
+        if requested != "auto":
+            return requested
+        if self.world == 1:
+            return "local"
+        if self.device.type == "cuda" and self.experts_backend == "triton" and _symm_memory_available() and (
+                self.wire == "bf16" or self.spec.scheme.fp8_activations):
+            return "symm"
+        return "torch"
+
     def _resolve_backend(self, requested: str) -> str:
         if requested != "auto":
             return requested
@@ -220,27 +259,69 @@ class MegaMoE:
         """bind(weights) then forward."""
         return self.bind(weights).forward(x, topk_weights, topk_ids)
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """[T, H] in x.dtype: the bound layer's MoE output for this rank's tokens (global expert ids)."""
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, H] in x.dtype: the bound layer's MoE output for this rank's tokens (global expert ids).
+
+        out: an optional [T, H] tensor in x.dtype to write into (no allocation in the forward).
+        """
         self._check_open()
-        num_tokens = self._agree_on_call(x, self._input_problem(x, topk_weights, topk_ids))
+        problem = self._input_problem(x, topk_weights, topk_ids)
+        if problem is None and out is not None and (out.shape != x.shape or out.dtype != x.dtype
+                                                    or out.device != x.device or not out.is_contiguous()):
+            problem = (f"out must be a contiguous [T, H] = {list(x.shape)} {x.dtype} tensor on {x.device}, got "
+                       f"{list(out.shape)} {out.dtype} on {out.device}")
+        num_tokens = self._agree_on_call(x, problem)
+        if self.transport_name == "symm":
+            return self._forward_symm(x, topk_weights, topk_ids, out)
         if num_tokens == 0 and self.transport_name == "local":  # nothing to compute, nobody to serve
-            return x.new_empty(0, self.spec.hidden_size)
+            return x.new_empty(0, self.spec.hidden_size) if out is None else out
+        self._tokens = num_tokens
         xin, w, ids = self.transport.dispatch(x, topk_weights, topk_ids)
         y = self._experts(xin, w, ids)
-        out = self.transport.combine(y, num_tokens)
+        combined = self.transport.combine(y, num_tokens)
+        if out is not None:
+            return out.copy_(combined)
         if self.transport_name == "local":  # the experts step's own fresh output
-            return out if out.dtype == x.dtype else out.to(x.dtype)
+            return combined if combined.dtype == x.dtype else combined.to(x.dtype)
         # the torch transport combines into a persistent buffer that the next layer's call reuses:
         # the caller gets its own tensor (for bf16 x this is the fp32 -> bf16 copy anyway)
-        return out.to(x.dtype, copy=True)
+        return combined.to(x.dtype, copy=True)
+
+    def _forward_symm(self, x, topk_weights, topk_ids, out):
+        tr = self.transport
+        mode = self.combine_override
+        if mode is None:
+            mode = combine_mode(self.spec, self.world, self.wire, x.shape[0], self.device)
+        if out is None:
+            out = torch.empty_like(x)
+        cfg = self._config(x.shape[0])
+
+        def experts(xin, x_scale, w, ids, remote):
+            from ..experts import fused_experts
+            fused_experts(xin, w, ids, self._weights, self.spec, workspace=self._workspace, config=cfg,
+                          x_scale=x_scale, remote=remote)
+
+        for _, step in tr.steps(x, topk_weights, topk_ids, out, mode, experts):
+            step()
+        return out
+
+    def _config(self, tokens: int):
+        """The tile config for a call with `tokens` tokens on this rank (override, table or heuristic)."""
+        if self.tile_config is not None:
+            return self.tile_config
+        from ..experts import device_name
+        from ..kernels import tuning
+        s = self.spec
+        return tuning.lookup(device_name(self.device), s.scheme.value, s.hidden_size, s.intermediate_size,
+                             s.num_local_experts, s.top_k, max(tokens, 1))
 
     def _experts(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.experts_backend == "triton":
             from ..experts import fused_experts
             out = self.buffers.get("expert_out")  # torch transport: persistent; local: a fresh [T, H] output
             return fused_experts(x, w, ids, self._weights, self.spec, workspace=self._workspace, out=out,
-                                 config=self.tile_config)
+                                 config=self._config(self._tokens))
         from ..experts_torch import experts_torch
         return experts_torch(x, w, ids, self._weights, self.spec)
 
@@ -365,6 +446,14 @@ def _normalize_device(device: torch.device | str | None) -> torch.device:
 
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _symm_memory_available() -> bool:
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _triton_interpreter() -> bool:
