@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .ep.buffers import INT32_MAX, WIRES, BufferLimitError, buffer_plan, buffer_sizes, check_limits, largest_true
+from .ep.buffers import INT32_MAX, INT64_INDEXED, WIRES, BufferLimitError, buffer_plan, buffer_sizes, check_limits, largest_true
 from .hf_config import ModelLayer, load_model
 from .spec import MoESpec, SpecError
 from .weights import prepared_nbytes
@@ -47,7 +47,7 @@ def int32_quantities(spec: MoESpec, ep: int, tokens: int, wire: str, transport: 
     """Every quantity check_limits bounds by 2**31 - 1: each buffer's bytes, and the (token, expert) pairs."""
     plan = buffer_plan(spec, ep, tokens, wire, transport=transport, experts_backend=backend)
     rows = [(f"{name} {list(b.shape)} {str(b.dtype).removeprefix('torch.')} bytes", b.nbytes)
-            for name, b in plan.items()]
+            for name, b in plan.items() if name not in INT64_INDEXED]
     # mirrors ep/buffers._violations: the pairs one rank's experts step may receive
     return rows + [("(token, expert) pairs one rank's experts may receive", ep * tokens * spec.top_k)]
 
@@ -118,10 +118,12 @@ def make_plan(layer: ModelLayer, *, ep: int, dp: int | None = None, tp: int = 1,
         spec = layer.spec.for_rank(0, ep)
     except SpecError as exc:
         raise PlanError(f"{layer.name} at EP {ep}: {exc}") from None
-    transport = transport or ("local" if ep == 1 else "torch")
     backend = experts_backend_for(spec, experts_backend)
     if backend not in ("triton", "torch"):
         raise PlanError(f"--experts-backend {experts_backend!r}; allowed: auto, triton, torch")
+    if transport is None:  # what MegaMoE's transport="auto" picks on CUDA
+        symm_ok = backend == "triton" and (wire == "bf16" or spec.scheme.fp8_activations)
+        transport = "local" if ep == 1 else "symm" if symm_ok else "torch"
     if backend == "triton":
         from .experts import SUPPORTED
         if spec.scheme not in SUPPORTED:

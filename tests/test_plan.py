@@ -123,11 +123,11 @@ def test_largest_budget_is_exact():
     """At the reported maxima the library's check_limits and the memory sum pass; one token more fails."""
     layer = load_model("deepseek-v3")
     plan = make_plan(layer, ep=8, gpu_bytes=int(140.4 * GiB), reserve_bytes=10 * GiB)
-    assert plan.max_tokens_int32 == 1170  # docs/ep.md: DeepSeek-V3 EP8, Triton workspace
+    assert plan.max_tokens_int32 == 16319  # docs/ep.md: DeepSeek-V3 EP8 fp8, Triton workspace.inter binds
     spec = layer.spec.for_rank(0, 8)
-    check_limits(spec, 8, 1170, experts_backend="triton")
-    with pytest.raises(BufferLimitError):
-        check_limits(spec, 8, 1171, experts_backend="triton")
+    check_limits(spec, 8, 16319, experts_backend="triton")
+    with pytest.raises(BufferLimitError, match="workspace.inter"):
+        check_limits(spec, 8, 16320, experts_backend="triton")
     # a GPU just large enough for 700 tokens: memory binds, exactly at 700
     at700 = make_plan(layer, ep=8, tokens=700, gpu_bytes=GiB, reserve_bytes=0)
     need = at700.weight_bytes + at700.buffer_bytes
@@ -146,7 +146,8 @@ def test_cli_prints_plan_and_engine_flags(capsys):
                  "--model-path", "moonshotai/Kimi-K2-Instruct"]) == 0
     out = capsys.readouterr().out
     assert "EP 16 (24 experts per rank)" in out and "60 MoE layers" in out
-    assert re.search(r"workspace\.partial \[65536, 7168\] float32 bytes +1,879,048,192 +1\.14x", out)
+    assert re.search(r"workspace\.inter \[68608, 2048\] float8_e4m3fn bytes +140,509,184 +15\.28x", out)
+    assert "workspace.partial" not in out.split("int32-limited")[1]  # int64-indexed: not an int32 quantity
     vllm, sglang = _flags(out, "vllm"), _flags(out, "sglang")
     assert ("ATOM_USE_FLYDSL_FUSED=1 vllm serve moonshotai/Kimi-K2-Instruct --tensor-parallel-size 1 "
             "--data-parallel-size 16 --enable-expert-parallel --max-num-batched-tokens 512 "
@@ -165,9 +166,9 @@ def test_cli_prints_plan_and_engine_flags(capsys):
 
 
 def test_cli_exit_1_when_the_budget_overflows(capsys):
-    assert main(["plan", "deepseek-v3", "--ep", "8", "--gpu-memory-gib", "140", "--tokens", "4096"]) == 1
+    assert main(["plan", "deepseek-v3", "--ep", "8", "--gpu-memory-gib", "140", "--tokens", "17000"]) == 1
     captured = capsys.readouterr()
-    assert "workspace.partial" in captured.err and "largest safe budget is 1170" in captured.err
+    assert "workspace.inter" in captured.err and "largest safe budget is 16319" in captured.err
     assert "engine flags" not in captured.out and "DOES NOT FIT" in captured.out
     assert main(["plan", "deepseek-v3", "--ep", "8", "--gpu-memory-gib", "80", "--tokens", "512"]) == 1
     assert "but the engine gets 72.00 GiB" in capsys.readouterr().err  # 76 GiB of fp8 experts alone
