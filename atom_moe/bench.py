@@ -15,6 +15,7 @@ import csv
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -56,20 +57,24 @@ class Timer:
         self.iters = iters
         self.flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")  # >> 60 MB L2
 
-    def graph_us(self, fn) -> float:
-        """Capture fn() in a CUDA graph and time its replays (us, median)."""
+    def graph_us(self, fn: Callable[[], object], prepare: Callable[[], object] | None = None) -> float:
+        """Capture fn() in a CUDA graph and time its replays (us, median); see replay_us for prepare."""
         fn()  # compile and warm up outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             fn()
-        return self.replay_us(graph.replay)
+        return self.replay_us(graph.replay, prepare)
 
-    def replay_us(self, replay) -> float:
-        """Median us of replay() with L2 flushed before each call."""
+    def replay_us(self, replay: Callable[[], object], prepare: Callable[[], object] | None = None) -> float:
+        """Median us of replay() with L2 flushed before each call; prepare() (untimed) runs before each flush."""
+        if prepare is not None:
+            prepare()
         replay()
         times = []
         for _ in range(self.iters):
+            if prepare is not None:
+                prepare()  # e.g. state a lone kernel expects (breakdown: GEMM2's combine counters)
             self.flush.random_(0, 255)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

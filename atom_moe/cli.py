@@ -10,6 +10,7 @@ import sys
 SUBCOMMANDS = {
     "demo": ("atom_moe.demo", "run a preset layer against the fp32 reference and print a table"),
     "bench": ("atom_moe.bench", "time the experts step against the measured roofline of this GPU"),
+    "breakdown": ("atom_moe.breakdown", "time each launch of the experts step (routing, GEMM1, GEMM2) vs its floor"),
     "gsm8k": ("atom_moe.gsm8k", "GSM8K accuracy of a live OpenAI-compatible server (vLLM, SGLang)"),
     "plan": ("atom_moe.plan", "largest safe token budget, memory per rank and engine flags for a MoE model"),
     "accuracy": ("atom_moe.accuracy", "layer-level relative error of MegaMoE against the fp32 reference"),
@@ -28,7 +29,9 @@ def main(argv: list[str] | None = None) -> int:
         module.add_arguments(sub.add_parser(name, help=help_text, description=module.__doc__))
         modules[name] = module
     args = parser.parse_args(argv or ["demo"])  # no arguments: run the demo on what the machine has
-    return modules[args.command or "demo"].run(args)
+    result = modules[args.command or "demo"].run(args)
+    # bench.run returns its rows, not an exit code: sys.exit(rows) would print them and exit 1
+    return result if isinstance(result, int) else 0
 
 
 if __name__ == "__main__":
