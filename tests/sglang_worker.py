@@ -20,7 +20,7 @@ import sys
 
 mode, scheme, rank, world, port, seed = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
 os.environ["ATOM_USE_FLYDSL_FUSED" if mode == "dp_ep" else "ATOM_USE_FLYDSL"] = "1"
-# MODE limit (WORLD 1): --chunked-prefill-size 65536 at H=7168 must fail naming the largest safe value.
+# MODE limit (WORLD 1): --chunked-prefill-size 4194304 at H=7168 must fail naming the largest safe value.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
@@ -52,8 +52,10 @@ def check_limit() -> None:
     from atom_moe.plugins.common import LimitError
     from atom_moe.spec import MoESpec
 
-    c.start_runtime(rank, world, port, chunked=2**16)
-    os.environ["TRITON_INTERPRET"] = "1"  # the Triton experts' [T*k, H] fp32 workspace is what passes int32
+    # the Triton experts' workspace passes int32 there: combine counters [T*H/32] int32 and GEMM2's
+    # input [T*k, I] (the fp32 partials are int64-indexed and exempt, see ep/buffers.INT64_INDEXED)
+    c.start_runtime(rank, world, port, chunked=2**22)
+    os.environ["TRITON_INTERPRET"] = "1"
     layer = c.build(scheme, hidden_size=7168)
     try:
         c.process(layer)
@@ -61,7 +63,7 @@ def check_limit() -> None:
         msg = str(exc)
     else:
         raise AssertionError("a layer whose buffers pass int32 was built")
-    assert "--chunked-prefill-size=65536" in msg, msg
+    assert "--chunked-prefill-size=4194304" in msg, msg
     safe = int(re.search(r"largest safe --chunked-prefill-size is (\d+)", msg).group(1))
     spec = MoESpec(hidden_size=7168, intermediate_size=c.INTER[scheme], num_experts=c.E, top_k=c.K)
     check_limits(spec, 1, safe, transport="local", experts_backend="triton")  # the named value fits ...
