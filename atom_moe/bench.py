@@ -45,6 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tune", action="store_true", help="time a few tile configs per row, keep the best")
     parser.add_argument("--tune-budget", type=float, default=1e9, help="seconds of tuning, then heuristic only")
     parser.add_argument("--tuned-csv", type=Path, default=None, help="write the best configs as a tuning table")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="EP size W > 1: W simulated ranks of the symm transport on this GPU, timed stage by "
+                             "stage (dispatch, routing, GEMM1, GEMM2, combine) next to the local path; see "
+                             "atom_moe/bench_ep.py")
     parser.add_argument("--csv", type=Path, default=Path("bench.csv"))
     parser.add_argument("--plot", type=Path, default=None, help="roofline PNG (default: CSV path with .png)")
 
@@ -237,6 +241,11 @@ def run(args: argparse.Namespace) -> list[dict]:
     """Run the benchmark described by args; write the CSV (and PNG); return the rows."""
     from .experts import allocate_workspace, device_name, fused_experts
     from .spec import MoESpec
+    if getattr(args, "ep", 1) > 1:
+        from . import bench_ep
+        if args.csv == Path("bench.csv"):
+            args.csv = bench_ep.default_csv(args.csv, args.ep)
+        return bench_ep.run(args)
     if not torch.cuda.is_available():
         raise SystemExit("atom-moe bench needs a CUDA GPU")
     timer = Timer(args.iters)
