@@ -5,7 +5,10 @@ weights (std 1/sqrt(fan_in)) and random routed tokens, or recorded inputs (`--in
 file.pt` holding x [T, H], topk_weights [T, k], topk_ids [T, k]). Each path runs the
 MegaMoE op (EP 1, `local` transport, in this process) with that experts backend; with
 `--ep N` each simulated rank runs its share with its own PreparedWeights through the
-experts step and the shares are summed (as `atom-moe demo` does). Errors are
+experts step and the shares are summed (as `atom-moe demo` does). The paths `symm-fused`
+and `symm-split` run the symm transport end to end over N simulated ranks
+(atom_moe.ep.simulate: dispatch, experts, pushes back, combine), the tokens split over the
+ranks in contiguous chunks; `--compare symm-fused,triton` sets the transports side by side. Errors are
 ||out - ref|| / ||ref|| against
   rel_err          the fp32 reference on the scheme's dequantized weights (kernel error,
                    activation quantization included), and
@@ -36,7 +39,8 @@ from .spec import MoESpec, Scheme, SpecError
 from .synthetic import random_layer, random_tokens
 from .weights import PreparedWeights, prepare_stacked
 
-PATHS = ("triton", "torch")  # experts backends of the op
+# experts backends of the op, and the symm transport's two combine modes over --ep simulated ranks
+PATHS = ("triton", "torch", "symm-fused", "symm-split")
 COLUMNS = ("model", "scheme", "shape", "tokens", "ep", "path", "rel_err", "rel_err_vs_bf16", "note")
 
 
@@ -66,7 +70,7 @@ def triton_status(device: torch.device) -> str | None:
 
 def path_problem(path: str, scheme: Scheme, device: torch.device) -> str | None:
     """Why `path` cannot run `scheme` here (the table row's note), or None."""
-    if path == "triton":
+    if path == "triton" or path.startswith("symm"):
         status = triton_status(device)
         if status:
             return status
@@ -76,14 +80,27 @@ def path_problem(path: str, scheme: Scheme, device: torch.device) -> str | None:
     return None
 
 
+def _symm_forward(path: str, spec: MoESpec, inputs: Inputs, raw, ep: int, device: torch.device) -> torch.Tensor:
+    """The tokens split over `ep` simulated symm ranks (contiguous chunks), outputs back in order."""
+    from .ep.simulate import SimulatedSymmGroup
+    from .ep.symm import FUSED, SPLIT
+    chunks = torch.arange(inputs.x.shape[0], device=device).tensor_split(ep)
+    specs = [spec.for_rank(r, ep) for r in range(ep)]
+    wire = "fp8" if spec.scheme.fp8_activations else "bf16"  # the fp8 wire feeds fp8 activations as they are
+    group = SimulatedSymmGroup(specs, max(max(len(c) for c in chunks), 1), wire, device)
+    xs, ws, ids = ([t[c].contiguous() for c in chunks] for t in (inputs.x, inputs.topk_weights, inputs.topk_ids))
+    outs = [torch.empty_like(x) for x in xs]
+    mode = FUSED if path == "symm-fused" else SPLIT
+    group.forward([_prepare(s, raw, device) for s in specs], xs, ws, ids, outs, [mode] * ep)
+    return torch.cat(outs).float()
+
+
 def parse_paths(text: str, what: str) -> tuple[str, ...]:
     """'triton,torch' -> ('triton', 'torch'), with a clear error for unknown names."""
     names = tuple(p.strip().lower() for p in text.split(",") if p.strip())
     bad = [p for p in names if p not in PATHS]
     if bad or not names:
-        later = " (the 'symm' transport comparison comes with that transport; it does not exist yet)" \
-            if "symm" in bad else ""
-        raise AccuracyError(f"{what} {text!r}: unknown {bad or 'empty'}; allowed: {', '.join(PATHS)}{later}")
+        raise AccuracyError(f"{what} {text!r}: unknown {bad or 'empty'}; allowed: {', '.join(PATHS)}")
     if len(set(names)) != len(names):
         raise AccuracyError(f"{what} {text!r} names a path twice")
     return names
@@ -130,6 +147,8 @@ def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
 def run_path(path: str, spec: MoESpec, inputs: Inputs, raw, ep: int, device: torch.device) -> torch.Tensor:
     """One path's fp32 output: the op at EP 1, else the sum of `ep` simulated ranks' experts steps."""
     x, w, ids = inputs.x, inputs.topk_weights, inputs.topk_ids
+    if path.startswith("symm"):
+        return _symm_forward(path, spec, inputs, raw, ep, device)
     if ep == 1:
         from .ep import MegaMoE
         weights = _prepare(spec, raw, device)
@@ -196,6 +215,7 @@ def evaluate(model: str, scheme: Scheme, tokens: int | None, *, ep: int, paths: 
     base = dict(model=layer.name, scheme=scheme.value, tokens=T, ep=ep,
                 shape=f"H{spec.hidden_size} I{spec.intermediate_size} E{spec.num_experts} k{spec.top_k}")
     how = "op, local transport" if ep == 1 else f"simulated EP {ep}: per-rank experts, summed"
+    symm_how = f"symm transport, {ep} simulated rank(s): dispatch, experts, pushes back, combine"
     rows, outs = [], {}
     for path in dict.fromkeys(paths + (compare or ())):
         problem = path_problem(path, scheme, device)
@@ -205,7 +225,8 @@ def evaluate(model: str, scheme: Scheme, tokens: int | None, *, ep: int, paths: 
         out = outs[path] = run_path(path, spec, inputs, raw, ep, device)
         if path in paths:
             rows.append({**base, "path": path, "rel_err": rel(out, refs["scheme"]),
-                         "rel_err_vs_bf16": rel(out, refs["bf16"]), "note": f"{how}; {_source(inputs_file)}"})
+                         "rel_err_vs_bf16": rel(out, refs["bf16"]),
+                         "note": f"{symm_how if path.startswith('symm') else how}; {_source(inputs_file)}"})
     if compare:
         a, b = compare
         row = {**base, "path": f"{a} vs {b}", "rel_err_vs_bf16": math.nan}

@@ -48,6 +48,20 @@ def test_table_all_paths_and_comparison(tmp_path, monkeypatch, capsys, seed):
         assert line in md and line in printed
 
 
+def test_symm_paths_against_the_op(tmp_path, monkeypatch, seed):
+    """The symm transport over 2 simulated ranks, both combine modes, vs fp32 and vs the op's triton path."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    out = tmp_path / "acc"
+    assert main(["accuracy", "deepseek-v3", "--scheme", "fp8", "--tokens", "5", "--ep", "2",
+                 "--paths", "symm-fused,symm-split", "--compare", "symm-split,triton", "--seed", str(seed),
+                 "--out", str(out), *SMALL]) == 0
+    rows = {r["path"]: float(r["rel_err"]) for r in _csv(f"{out}.csv")}
+    assert set(rows) == {"symm-fused", "symm-split", "symm-split vs triton"}
+    # e4m3 activations against an unquantized fp32 reference: a few percent (as a8w4 above)
+    assert 0 < rows["symm-fused"] < 8e-2 and 0 < rows["symm-split"] < 8e-2
+    assert rows["symm-split vs triton"] < 1e-2  # same quantization on both: only bf16 rounding differs
+
+
 def test_error_shows_a_wrong_path(monkeypatch, seed):
     """The error is measured, not assumed: a path 10% off reports ~0.1."""
     import atom_moe.experts_torch as et
@@ -109,8 +123,8 @@ def test_recorded_inputs(tmp_path, capsys, seed):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--paths", "triton,cuda"], "unknown ['cuda']; allowed: triton, torch"),
-    (["--compare", "torch,symm"], "the 'symm' transport comparison comes with that transport"),
+    (["--paths", "triton,cuda"], "unknown ['cuda']; allowed: triton, torch, symm-fused, symm-split"),
+    (["--compare", "torch,symm"], "unknown ['symm']; allowed: triton, torch, symm-fused, symm-split"),
     (["--compare", "torch"], "--compare takes exactly two paths"),
     (["--ep", "3"], "num_experts divisible by the EP world size"),
     (["--tokens", "0"], "--tokens must be >= 1"),
