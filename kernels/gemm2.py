@@ -12,6 +12,10 @@ source in fused mode each weighted (token, slot) row goes straight into that sou
 `slots` row t*k + j; for a source in split mode the token's local slots are combined as
 above and the sum goes into the source's `returned` row rank*C + t. `delta[s]` (bytes)
 turns a local buffer address into rank s's mapping of it.
+
+SWAP (MXFP4 at BLOCK_M <= 16): as in GEMM1, the K loop computes out^T = W @ x^T with the
+decoded weight tile [BLOCK_N, BLOCK_K] as the dot's left operand and the accumulator is
+transposed once after the loop; the epilogue is the same for both orientations.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .common import QGROUP, cast, dot, interpreting, tile_ids
-from .mxfp4 import tile_bf16, tile_e4m3
+from .mxfp4 import tile_bf16, tile_bf16_nk, tile_e4m3, tile_e4m3_nk
 
 GROUP = 128  # host-side twin of common.QGROUP
 
@@ -49,7 +53,8 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, sorted_ptr, block_expe
                   ids_ptr, emap_ptr, topk_w_ptr, partial_ptr, counters_ptr, n_counters, out_ptr, stride_out,
                   num_pairs, num_experts, hidden, inter, n_blocks,
                   delta_ptr, info_ptr, slots_ptr, returned_ptr, capacity, rank,
-                  FP8: tl.constexpr, W4: tl.constexpr, HAS_BIAS: tl.constexpr, TOPK: tl.constexpr, KP2: tl.constexpr,
+                  FP8: tl.constexpr, W4: tl.constexpr, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  TOPK: tl.constexpr, KP2: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, INTERP: tl.constexpr, REMOTE: tl.constexpr):
     pid_m, pid_n = tile_ids(n_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
@@ -65,14 +70,23 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, sorted_ptr, block_expe
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < hidden
     kk = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows64[:, None] * inter + kk[None, :]
+    if SWAP:  # act^T tiles [BLOCK_K, BLOCK_M]
+        a_ptrs = a_ptr + rows64[None, :] * inter + kk[:, None]
+    else:
+        a_ptrs = a_ptr + rows64[:, None] * inter + kk[None, :]
     n64 = n.to(tl.int64)
     if W4:
         # MXFP4: bytes [E, H, I/2] and e8m0 [E, H, I/32], decoded in registers (kernels/mxfp4.py)
         kh = tl.arange(0, BLOCK_K // 2)
         kg = tl.arange(0, BLOCK_K // 32)
-        w_ptrs = w_ptr + e64 * hidden * (inter // 2) + n64[None, :] * (inter // 2) + kh[:, None]
-        ws_ptrs = ws_ptr + e64 * hidden * (inter // 32) + n64[None, :] * (inter // 32) + kg[:, None]
+        w_rows = w_ptr + e64 * hidden * (inter // 2) + n64 * (inter // 2)
+        ws_rows = ws_ptr + e64 * hidden * (inter // 32) + n64 * (inter // 32)
+        if SWAP:  # tiles [BLOCK_N, BLOCK_K / 2] and [BLOCK_N, BLOCK_K / 32]
+            w_ptrs = w_rows[:, None] + kh[None, :]
+            ws_ptrs = ws_rows[:, None] + kg[None, :]
+        else:
+            w_ptrs = w_rows[None, :] + kh[:, None]
+            ws_ptrs = ws_rows[None, :] + kg[:, None]
     else:
         w_ptrs = w_ptr + e64 * hidden * inter + n64[None, :] * inter + kk[:, None]
     if FP8:
@@ -89,17 +103,33 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, sorted_ptr, block_expe
     slot_ok = slot_ok & (gid >= 0) & (gid < num_experts)
     slot_ok = slot_ok & (tl.load(emap_ptr + gid, mask=slot_ok, other=-1) >= 0)
     needed = tl.sum(slot_ok.to(tl.int32), 1)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # out^T
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         k_ok = (k0 + kk) < inter
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if SWAP:
+            a = tl.load(a_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if W4:
-            wb = tl.load(w_ptrs, mask=((k0 // 2 + kh) < inter // 2)[:, None] & n_ok[None, :], other=0)
-            sb = tl.load(ws_ptrs, mask=((k0 // 32 + kg) < inter // 32)[:, None] & n_ok[None, :], other=0)
-            if FP8:  # a8w4: e4m3 x e4m3 dot, per-32 scales factored into base x residual
-                w, w_s = tile_e4m3(wb, sb, BLOCK_K, BLOCK_N, INTERP)
-            else:  # a16w4: bf16 dot on the dequantized tile
-                w = tile_bf16(wb, sb, BLOCK_K, BLOCK_N, INTERP)
+            kh_ok = (k0 // 2 + kh) < inter // 2
+            kg_ok = (k0 // 32 + kg) < inter // 32
+            if SWAP:
+                wb = tl.load(w_ptrs, mask=n_ok[:, None] & kh_ok[None, :], other=0)
+                sb = tl.load(ws_ptrs, mask=n_ok[:, None] & kg_ok[None, :], other=0)
+                if FP8:
+                    w, w_s = tile_e4m3_nk(wb, sb, BLOCK_N, BLOCK_K, INTERP)
+                else:
+                    w = tile_bf16_nk(wb, sb, BLOCK_N, BLOCK_K, INTERP)
+            else:
+                wb = tl.load(w_ptrs, mask=kh_ok[:, None] & n_ok[None, :], other=0)
+                sb = tl.load(ws_ptrs, mask=kg_ok[:, None] & n_ok[None, :], other=0)
+                if FP8:  # a8w4: e4m3 x e4m3 dot, per-32 scales factored into base x residual
+                    w, w_s = tile_e4m3(wb, sb, BLOCK_K, BLOCK_N, INTERP)
+                else:  # a16w4: bf16 dot on the dequantized tile
+                    w = tile_bf16(wb, sb, BLOCK_K, BLOCK_N, INTERP)
         else:
             w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if FP8:
@@ -107,15 +137,23 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, sorted_ptr, block_expe
             a_s = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
             if not W4:
                 w_s = tl.load(ws_ptrs + kb, mask=n_ok, other=0.0)
-            acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+            if SWAP:  # same product order as below: dot * a_s * w_s
+                acc += tl.dot(w, a) * a_s[None, :] * w_s[:, None]
+            else:
+                acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
         else:
-            acc = dot(a, w, acc, INTERP)
+            if SWAP:
+                acc = dot(w, a, acc, INTERP)
+            else:
+                acc = dot(a, w, acc, INTERP)
         a_ptrs += BLOCK_K
         if W4:
             w_ptrs += BLOCK_K // 2
             ws_ptrs += BLOCK_K // 32
         else:
             w_ptrs += BLOCK_K
+    if SWAP:
+        acc = tl.trans(acc)  # the epilogue works on [BLOCK_M, BLOCK_N]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + e64 * hidden + n, mask=n_ok, other=0.0)[None, :]
     weight = tl.load(topk_w_ptr + pair64, mask=row_ok, other=0.0).to(tl.float32)
@@ -178,13 +216,15 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
     if triton.cdiv(hidden, block_n) > n_counters:
         raise ValueError(f"GEMM2 block_n={block_n} needs {triton.cdiv(hidden, block_n)} counters per token, "
                          f"the workspace has {n_counters}")
+    # MXFP4 at few rows per expert: weight tile as the dot's left operand (see the module docstring)
+    swap = w4 and block_m <= 16
     grid = (n_blocks * triton.cdiv(hidden, block_n),)
     _gemm2_kernel[grid](
         a, a_scale if fp8 else a, w2, w2_scale if w2_scale is not None else w2, w2_bias if w2_bias is not None else w2,
         sorted_ids, block_expert, topk_ids, expert_map, topk_weights, partial, counters, n_counters,
         out, out.stride(0), num_tokens * top_k, expert_map.shape[0], hidden, inter, n_blocks,
         *(remote.args() if remote is not None else (partial,) * 4 + (1, 0)),
-        FP8=fp8, W4=w4, HAS_BIAS=w2_bias is not None, TOPK=top_k, KP2=triton.next_power_of_2(top_k),
+        FP8=fp8, W4=w4, SWAP=swap, HAS_BIAS=w2_bias is not None, TOPK=top_k, KP2=triton.next_power_of_2(top_k),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, INTERP=interpreting(),
         REMOTE=remote is not None,
         num_warps=num_warps, num_stages=num_stages,

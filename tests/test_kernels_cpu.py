@@ -227,8 +227,10 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(((a == b) & (torch.signbit(a) == torch.signbit(b)) | (a.isnan() & b.isnan())).all())
 
 
-def test_mxfp4_decoders_bit_exact(seed):
-    # The kernels' in-register dequant equals formats.dequantize_mxfp4 bit for bit: every
+@pytest.mark.parametrize("nk", [False, True], ids=["kn", "nk_swap"])
+def test_mxfp4_decoders_bit_exact(seed, nk):
+    # The kernels' in-register dequant equals formats.dequantize_mxfp4 bit for bit (both tile
+    # orientations: [BLOCK_K, BLOCK_N], and [BLOCK_N, BLOCK_K] of the SWAP GEMMs): every
     # byte value (all 16 x 16 code pairs), every e8m0 byte (0 = 2^-127 subnormal ... 254, and
     # 0xFF = NaN), K not a multiple of 128 (tail tile) and partial column tiles.
     from atom_moe.kernels import mxfp4
@@ -241,7 +243,7 @@ def test_mxfp4_decoders_bit_exact(seed):
     want = formats.dequantize_mxfp4(packed, scales)
 
     def run(p, sc, e4m3):  # the kernels' decoders on DEVICE, compared on the host
-        return mxfp4.dequantize(p.to(DEVICE), sc.to(DEVICE), e4m3=e4m3).cpu()
+        return mxfp4.dequantize(p.to(DEVICE), sc.to(DEVICE), e4m3=e4m3, nk=nk).cpu()
 
     assert _same_bits(run(packed, scales, False), want)  # a16w4's bf16 tile
 
