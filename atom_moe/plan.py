@@ -121,9 +121,9 @@ def make_plan(layer: ModelLayer, *, ep: int, dp: int | None = None, tp: int = 1,
     backend = experts_backend_for(spec, experts_backend)
     if backend not in ("triton", "torch"):
         raise PlanError(f"--experts-backend {experts_backend!r}; allowed: auto, triton, torch")
-    if transport is None:  # what MegaMoE's transport="auto" picks on CUDA
-        symm_ok = backend == "triton" and (wire == "bf16" or spec.scheme.fp8_activations)
-        transport = "local" if ep == 1 else "symm" if symm_ok else "torch"
+    if transport is None:  # what MegaMoE's transport="auto" picks on the deployment's CUDA GPUs
+        from .ep import auto_transport
+        transport = auto_transport(ep, "cuda", backend, wire, spec)
     if backend == "triton":
         from .experts import SUPPORTED
         if spec.scheme not in SUPPORTED:

@@ -19,6 +19,8 @@ from ..spec import Activation, MoESpec, Placement, Scheme
 FLAG_FUSED = "ATOM_USE_FLYDSL_FUSED"  # full fused EP path: our dispatch + experts + combine
 FLAG_EXPERTS = "ATOM_USE_FLYDSL"  # our experts step; the engine keeps its dispatch and combine
 FLAG_KERNELS_PATH = "ATOM_FLYDSL_KERNELS_PATH"  # extra tuned tables (read by atom_moe.kernels.tuning)
+FLAG_TRANSPORT = "ATOM_MOE_TRANSPORT"  # fused mode's EP transport: auto (default), symm or torch
+TRANSPORTS = ("auto", "symm", "torch")
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
@@ -42,6 +44,7 @@ class Flags:
 
     mode: Mode
     kernels_path: str | None = None
+    transport: str = "auto"
 
 
 def _flag(env: Mapping[str, str], name: str) -> bool:
@@ -65,7 +68,19 @@ def parse_flags(env: Mapping[str, str] | None = None) -> Flags:
         if missing:
             raise FlagError(f"{FLAG_KERNELS_PATH} names folders that do not exist: {', '.join(missing)} "
                             f"(a {os.pathsep}-separated list of folders of tuned-table CSV files)")
-    return Flags(mode, path)
+    transport = env.get(FLAG_TRANSPORT, "").strip().lower() or "auto"
+    if transport not in TRANSPORTS:
+        raise FlagError(f"{FLAG_TRANSPORT}={env.get(FLAG_TRANSPORT)!r}; allowed: {', '.join(TRANSPORTS)}")
+    return Flags(mode, path, transport)
+
+
+def fused_transport(flags: Flags, ep_size: int, device: torch.device, backend: str, spec: MoESpec) -> str:
+    """The EP transport of the fused path: the flag's choice, else what MegaMoE's 'auto' picks (bf16 wire)."""
+    from ..ep import auto_transport
+
+    if ep_size == 1:
+        return "local"
+    return flags.transport if flags.transport != "auto" else auto_transport(ep_size, device, backend, "bf16", spec)
 
 
 def versions() -> dict[str, str]:

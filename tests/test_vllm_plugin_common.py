@@ -115,3 +115,19 @@ def test_register_without_flags_imports_no_engine(monkeypatch):
     before = "vllm" in sys.modules
     plugin.register()
     assert ("vllm" in sys.modules) == before
+
+
+def test_transport_flag_and_choice():
+    """ATOM_MOE_TRANSPORT picks the fused path's EP transport; 'auto' is MegaMoE's own choice."""
+    assert parse_flags({}).transport == "auto"
+    assert parse_flags({"ATOM_USE_FLYDSL_FUSED": "1", "ATOM_MOE_TRANSPORT": " Torch "}).transport == "torch"
+    with pytest.raises(FlagError, match="ATOM_MOE_TRANSPORT='nccl'; allowed: auto, symm, torch"):
+        parse_flags({"ATOM_MOE_TRANSPORT": "nccl"})
+    spec = MoESpec.create(hidden_size=256, intermediate_size=128, num_experts=8, top_k=2).for_rank(0, 2)
+    auto, forced = parse_flags({}), parse_flags({"ATOM_MOE_TRANSPORT": "torch"})
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert common.fused_transport(auto, 2, cuda, "triton", spec) == "symm"  # what the op's auto picks on CUDA
+    assert common.fused_transport(forced, 2, cuda, "triton", spec) == "torch"
+    assert common.fused_transport(auto, 2, cuda, "torch", spec) == "torch"  # symm needs the Triton experts
+    assert common.fused_transport(auto, 2, cpu, "triton", spec) == "torch"
+    assert common.fused_transport(forced, 1, cuda, "triton", spec) == "local"

@@ -2,10 +2,11 @@
 
 from .buffers import BufferLimitError, BufferSpec, buffer_plan, buffer_sizes, check_limits
 from .launch import DistInfo, init_distributed
-from .op import MegaMoE, MegaMoEError, WarmupCase
+from .op import MegaMoE, MegaMoEError, WarmupCase, auto_transport
 from .transports import LocalTransport, TorchTransport, Transport
 
 __all__ = [
+    "auto_transport",
     "BufferLimitError", "BufferSpec", "DistInfo", "LocalTransport", "MegaMoE", "MegaMoEError", "TorchTransport",
     "Transport", "WarmupCase", "buffer_plan", "buffer_sizes", "check_limits", "init_distributed",
 ]

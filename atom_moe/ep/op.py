@@ -218,15 +218,9 @@ class MegaMoE:
         return [owner_of[e][0] for e in range(s.num_experts)]
 
     def _resolve_transport(self, requested: str) -> str:
-        """auto: local for one rank; symm on CUDA with the Triton experts; else torch."""
         if requested != "auto":
             return requested
-        if self.world == 1:
-            return "local"
-        if self.device.type == "cuda" and self.experts_backend == "triton" and _symm_memory_available() and (
-                self.wire == "bf16" or self.spec.scheme.fp8_activations):
-            return "symm"
-        return "torch"
+        return auto_transport(self.world, self.device, self.experts_backend, self.wire, self.spec)
 
     def _resolve_backend(self, requested: str) -> str:
         if requested != "auto":
@@ -446,6 +440,16 @@ def _normalize_device(device: torch.device | str | None) -> torch.device:
 
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def auto_transport(world: int, device: torch.device | str, experts_backend: str, wire: str, spec: MoESpec) -> str:
+    """What transport='auto' picks: local for one rank; symm on CUDA with the Triton experts (bf16 wire, or the
+    fp8 wire with an fp8-activation scheme) where torch has symmetric memory; else torch."""
+    if world == 1:
+        return "local"
+    symm_ok = (torch.device(device).type == "cuda" and experts_backend == "triton" and _symm_memory_available()
+               and (wire == "bf16" or spec.scheme.fp8_activations))
+    return "symm" if symm_ok else "torch"
 
 
 def _symm_memory_available() -> bool:

@@ -45,7 +45,7 @@ def process_weights_after_loading(orig, method, layer) -> None:
     if _flags is None or _flags.mode is Mode.OFF or getattr(layer, "atom_moe", None) is not None:
         return orig(method, layer)
     fused = _flags.mode is Mode.FUSED and _fused_ok
-    plan = plan_layer(layer, method, fused)  # LimitError propagates: a start-up error
+    plan = plan_layer(layer, method, fused, _flags.transport)  # LimitError propagates: a start-up error
     if isinstance(plan, str):
         from sglang.srt.layers.moe.utils import get_moe_a2a_backend
 
@@ -77,7 +77,7 @@ def _build_runtime(state: LayerState, device: torch.device) -> None:
 
             ep = get_moe_ep_group()
             _shared[key] = MegaMoE(plan.spec, ep.device_group, cpu_group=ep.cpu_group,
-                                   max_tokens_per_rank=plan.tokens, transport="auto",
+                                   max_tokens_per_rank=plan.tokens, transport=plan.transport,
                                    experts_backend=plan.backend, device=device)
         elif plan.backend == "triton":
             from ...experts import allocate_workspace

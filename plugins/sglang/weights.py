@@ -15,7 +15,8 @@ from ...experts import choose_backend
 from ...layout import GateUpLayout
 from ...spec import Activation, ActivationKind, MoESpec, Scheme, SpecError
 from ...weights import PreparedWeights, prepare_stacked
-from ..common import LimitError, check_start_limits, layer_spec, local_experts_from_map, tokens_per_rank
+from ..common import (Flags, LimitError, Mode, check_start_limits, fused_transport, layer_spec,
+                      local_experts_from_map, tokens_per_rank)
 
 # SGLang parameters each scheme's weights arrive in (w13, w2, w13 scale, w2 scale).
 PARAMS = {
@@ -37,6 +38,7 @@ class LayerPlan:
     tokens: int  # rows one call may bring on this rank (buffers and workspace are sized for it)
     scale: float  # SGLang's routed_scaling_factor, which its runners apply to the expert sum
     all_reduce: bool  # SGLang's forward_impl all-reduces after the experts: so do we
+    transport: str = "local"  # MegaMoE's EP transport in fused mode (plugins.common.fused_transport)
 
 
 def scheme_of(layer, method) -> Scheme | str:
@@ -126,7 +128,7 @@ def token_budget() -> tuple[int, str]:
     return tokens_per_rank(prefill, graphs), "--chunked-prefill-size"
 
 
-def plan_layer(layer, method, fused_flag: bool) -> LayerPlan | str:
+def plan_layer(layer, method, fused_flag: bool, transport_flag: str = "auto") -> LayerPlan | str:
     """Our plan for this layer, or the reason it keeps SGLang's path. Raises LimitError on bad limits."""
     from sglang.srt.layers.dp_attention import is_dp_attention_enabled
     from sglang.srt.layers.moe.utils import get_moe_a2a_backend
@@ -191,12 +193,13 @@ def plan_layer(layer, method, fused_flag: bool) -> LayerPlan | str:
         return ("fused EP needs every rank to own whole experts: --ep-size equal to --tp-size "
                 f"(got moe_tp={parallel.moe_tp_size}, ep={parallel.moe_ep_size}, tp={parallel.tp_size})")
     free = torch.cuda.mem_get_info(w13.device)[0] if w13.device.type == "cuda" else None
-    check_start_limits(spec, ep_size=layer.moe_ep_size if fused else 1, tokens=per_rank * gathered, wire="bf16",
-                       transport="torch" if fused and layer.moe_ep_size > 1 else "local", experts_backend=backend,
-                       free_bytes=free, flag=flag, scale=gathered)
+    ep_size = layer.moe_ep_size if fused else 1
+    transport = fused_transport(Flags(Mode.FUSED, None, transport_flag), ep_size, w13.device, backend, spec)
+    check_start_limits(spec, ep_size=ep_size, tokens=per_rank * gathered, wire="bf16",
+                       transport=transport, experts_backend=backend, free_bytes=free, flag=flag, scale=gathered)
     scale = 1.0 if cfg.routed_scaling_factor is None else float(cfg.routed_scaling_factor)
     all_reduce = bool(layer.reduce_results and (layer.moe_tp_size > 1 or layer.moe_ep_size > 1)) and not fused
-    return LayerPlan(spec, layout, fused, backend, per_rank * gathered, scale, all_reduce)
+    return LayerPlan(spec, layout, fused, backend, per_rank * gathered, scale, all_reduce, transport)
 
 
 def build_weights(layer, plan: LayerPlan) -> PreparedWeights:

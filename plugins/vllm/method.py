@@ -34,8 +34,8 @@ from ...experts import choose_backend
 from ...layout import GateUpLayout
 from ...spec import Activation, ActivationKind, MoESpec, Scheme, SpecError
 from ...weights import PreparedWeights, prepare_stacked
-from ..common import (FLAG_FUSED, Flags, LimitError, Mode, check_start_limits, layer_spec, local_experts_from_map,
-                      tokens_per_rank, warn_once)
+from ..common import (FLAG_FUSED, Flags, LimitError, Mode, check_start_limits, fused_transport, layer_spec,
+                      local_experts_from_map, tokens_per_rank, warn_once)
 from . import log
 
 # vLLM parameters each scheme's weights arrive in (w13, w2, w13 scale, w2 scale).
@@ -59,6 +59,7 @@ class LayerPlan:
     fused: bool  # MegaMoE dispatch + experts + combine (DP+EP); else the experts step only
     backend: str  # experts backend: "triton" (fused_experts) or "torch" (experts_torch)
     tokens: int  # rows the experts step / MegaMoE must hold per call on this rank
+    transport: str = "local"  # MegaMoE's EP transport in fused mode (plugins.common.fused_transport)
 
 
 def install(flags: Flags) -> type | None:
@@ -204,10 +205,11 @@ def plan_layer(layer: RoutedExperts, inner: FusedMoEMethodBase, moe) -> LayerPla
         return f"layer shape not supported: {exc}"
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     ep_size = spec.placement.world_size if fused else 1
+    transport = fused_transport(_flags, ep_size, device, backend, spec)
     check_start_limits(spec, ep_size=ep_size, tokens=per_rank * gathered, wire="bf16",
-                       transport="torch" if fused else "local", experts_backend=backend, free_bytes=free,
+                       transport=transport, experts_backend=backend, free_bytes=free,
                        flag="--max-num-batched-tokens", scale=gathered)
-    return LayerPlan(spec, layout, fused, backend, per_rank * gathered)
+    return LayerPlan(spec, layout, fused, backend, per_rank * gathered, transport)
 
 
 class AtomMoEMethod(FusedMoEMethodBase):
@@ -281,7 +283,7 @@ class AtomMoEMethod(FusedMoEMethodBase):
 
                 ep = get_ep_group()
                 _shared[key] = MegaMoE(spec, ep.device_group, cpu_group=ep.cpu_group,
-                                       max_tokens_per_rank=self.plan.tokens, transport="torch",
+                                       max_tokens_per_rank=self.plan.tokens, transport=self.plan.transport,
                                        experts_backend=self.plan.backend, device=device)
             elif self.plan.backend == "triton":
                 from ...experts import allocate_workspace
