@@ -63,7 +63,7 @@ def stage_steps(group, weights: list, xs: list[torch.Tensor], topk_weights: list
         rows, scales, w, ids = tr.received()
         recorded = record_launches(lambda: fused_experts(rows, w, ids, weights[r], group.specs[r],
                                                          workspace=group.workspaces[r], config=config,
-                                                         x_scale=scales, remote=tr._remote))
+                                                         x_scale=scales, remote=tr.remote_output()))
         for launch in recorded:
             launches[KERNEL_STAGE[launch.name]].append(launch)
 

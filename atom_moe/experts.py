@@ -118,7 +118,8 @@ def _check_inputs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     if x.dim() != 2 or x.shape[1] != spec.hidden_size:
         raise ValueError(f"x must be [T, H={spec.hidden_size}], got {tuple(x.shape)}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) + ((FP8_DTYPE,) if allow_fp8 else ()):
-        raise ValueError(f"x dtype {x.dtype} not supported; allowed: bfloat16, float16, float32")
+        raise ValueError(f"x dtype {x.dtype} not supported; allowed: bfloat16, float16, float32"
+                         + (", float8_e4m3fn (with x_scale)" if allow_fp8 else ""))
     if x.stride(1) != 1:
         raise ValueError("x must have a contiguous last dim (stride(1) == 1)")
     expect = (x.shape[0], spec.top_k)

@@ -131,3 +131,24 @@ def test_outputs_are_not_overwritten_by_the_next_call(transport, seed):
     finally:
         if transport == "torch":
             dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_forward_into_out(backend, seed):
+    """forward(..., out=) writes the caller's tensor (the Triton path directly, no copy) and checks it."""
+    import os
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton experts run on the CPU only under TRITON_INTERPRET=1 (scripts/test.sh sets it)")
+    spec = MoESpec.create(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K)
+    prepared, ref = layer(spec, seed)
+    x, w, ids = random_tokens(spec, 7, generator=torch.Generator().manual_seed(seed))
+    with make_op(spec, experts_backend=backend).bind(prepared) as op:
+        out = torch.full_like(x, float("nan"))
+        got = op.forward(x, w, ids, out=out)
+        assert got is out and torch.equal(out, op.forward(x, w, ids))
+        check(out, x, w, ids, ref, spec)
+        for bad, pattern in ((torch.empty(7, H, dtype=torch.float32), "out must be a contiguous \\[T, H\\]"),
+                             (torch.empty(6, H, dtype=torch.bfloat16), "out must be a contiguous \\[T, H\\]"),
+                             (torch.empty(H, 7, dtype=torch.bfloat16).t(), "out must be a contiguous")):
+            with pytest.raises(MegaMoEError, match=pattern):
+                op.forward(x, w, ids, out=bad)

@@ -272,10 +272,10 @@ class MegaMoE:
             return x.new_empty(0, self.spec.hidden_size) if out is None else out
         self._tokens = num_tokens
         xin, w, ids = self.transport.dispatch(x, topk_weights, topk_ids)
-        y = self._experts(xin, w, ids)
+        y = self._experts(xin, w, ids, out if self.transport_name == "local" else None)
         combined = self.transport.combine(y, num_tokens)
         if out is not None:
-            return out.copy_(combined)
+            return combined if combined is out else out.copy_(combined)
         if self.transport_name == "local":  # the experts step's own fresh output
             return combined if combined.dtype == x.dtype else combined.to(x.dtype)
         # the torch transport combines into a persistent buffer that the next layer's call reuses:
@@ -310,10 +310,12 @@ class MegaMoE:
         return tuning.lookup(device_name(self.device), s.scheme.value, s.hidden_size, s.intermediate_size,
                              s.num_local_experts, s.top_k, max(tokens, 1))
 
-    def _experts(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _experts(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
         if self.experts_backend == "triton":
             from ..experts import fused_experts
-            out = self.buffers.get("expert_out")  # torch transport: persistent; local: a fresh [T, H] output
+            if out is None:  # torch transport: persistent; local: the caller's out, else a fresh [T, H]
+                out = self.buffers.get("expert_out")
             return fused_experts(x, w, ids, self._weights, self.spec, workspace=self._workspace, out=out,
                                  config=self._config(self._tokens))
         from ..experts_torch import experts_torch
