@@ -195,6 +195,11 @@ def scenario_symm(checks: Checks, rank: int, world: int, seed: int):
             compare(checks, f"{tag} warmup {wc.name}", wc.out,
                     reference(spec_full, ref, wc.x, wc.topk_weights, wc.topk_ids, wire), wc.x)
         checks.record(f"{tag} no barrier timeouts", op.transport.errors() == 0)
+        if si == 0:  # a wait that gave up on rank 0 (the counter a real timeout raises) fails warm-up everywhere
+            if rank == 0:
+                op.buffers["error"].fill_(1)
+            checks.expect_error(f"{tag} barrier give-up reaches every rank", lambda: op.warmup(mine, seed=seed),
+                                "symm barrier waits gave up", "rank 0: 1")
         op.close()
 
 

@@ -133,5 +133,5 @@ def test_under_mpiexec(seed, tmp_path):
                     "only under TRITON_INTERPRET=1 (scripts/test.sh sets it)")
 def test_symm_transport_matches_reference(seed):
     """2 processes, shared-file heaps, the op's symm transport: 4 schemes x 4 routings (mixed combine modes)."""
-    res = assert_all_passed(run_ranks("symm", 2, seed, timeout=400), 1 + 4 * (1 + 4 + 4 + 1))
+    res = assert_all_passed(run_ranks("symm", 2, seed, timeout=400), 1 + 4 * (1 + 4 + 4 + 1) + 1)
     assert {r["tokens"] for r in res if "tokens" in r} >= {0, 12}

@@ -402,6 +402,12 @@ class MegaMoE:
         for name, i in ids.items():
             i = i.contiguous().to(self.device)
             cases.append(WarmupCase(name, x, w, i, self.forward(x, w, i)))
+        if self.transport_name == "symm":  # a host sync and one gloo gather: warm-up only
+            counts = [None] * self.world
+            dist.all_gather_object(counts, self.transport.errors(), group=self.cpu_group)
+            if any(counts):
+                raise MegaMoEError("symm barrier waits gave up on a peer (a peer stalled or died; outputs since are "
+                                   "not valid): " + ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts) if c))
         return cases
 
     def allocated_bytes(self) -> int:
