@@ -1,7 +1,9 @@
 """`atom-moe breakdown`: time each launch of the fused experts layer against its own floor.
 
 The layer is three Triton launches: routing metadata (kernels/routing.py), GEMM1 (+SwiGLU,
-+fp8 quant; kernels/gemm1.py) and GEMM2 (+weighted combine; kernels/gemm2.py). Per
++fp8 quant; kernels/gemm1.py) and GEMM2 (+weighted combine; kernels/gemm2.py); at large T
+the routing sort takes a second launch ("routing.sort") and the combine its own ("combine",
+`--combine` forces either combine). Per
 (shape, scheme, T) this builds the bench's synthetic layer (bench.random_weights,
 bench.make_routing), calls fused_experts once (tile config from kernels.tuning.lookup,
 exactly as the layer resolves it) with every Triton launch recorded (kernel, grid,
@@ -31,7 +33,8 @@ DEFAULT_SHAPES = ("deepseek-v3", "gpt-oss-120b")
 DEFAULT_SCHEMES = ("bf16", "fp8", "a16w4", "a8w4")
 DEFAULT_TOKENS = (1, 128, 2048, 8192)
 # Triton kernel name -> stage name used in kernel_terms and the tables
-STAGES = {"_routing_kernel": "routing", "_gemm1_kernel": "gemm1", "_gemm2_kernel": "gemm2"}
+STAGES = {"_routing_kernel": "routing", "_gemm1_kernel": "gemm1", "_gemm2_kernel": "gemm2",
+          "_combine_kernel": "combine"}
 CSV_COLUMNS = ("device", "shape", "scheme", "T", "routing", "kernel", "us", "floor_us", "frac_of_floor", "bound",
                "tbps", "tflops", "bytes", "flops", "programs", "active_programs", "sms", "ctas_per_sm_est",
                "waves_est", "n_regs", "n_spills", "shared_bytes", "num_warps", "config", "note")
@@ -52,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ceilings", nargs=3, type=float, default=None,
                         metavar=("READ_TBPS", "BF16_TFLOPS", "FP8_TFLOPS"),
                         help="use these ceilings instead of measuring them (saves ~10 s)")
+    parser.add_argument("--combine", default="auto", choices=["auto", "counter", "separate"],
+                        help="GEMM2's top-k combine: auto (by pair count, as the layer), inside GEMM2, or its own launch")
     parser.add_argument("--csv", type=Path, default=Path("breakdown.csv"),
                         help="CSV path; the markdown table goes next to it (.md)")
 
@@ -78,7 +83,8 @@ def _weight_bytes(scheme: str, rows: int, cols: int) -> int:
 
 
 def kernel_terms(scheme: str, H: int, I: int, T: int, top_k: int, n_hit: int, *,
-                 x_bytes: int = 2, id_bytes: int = 4) -> dict[str, KernelTerms]:
+                 x_bytes: int = 2, id_bytes: int = 4, separate: bool = False,
+                 split_sort: bool = False) -> dict[str, KernelTerms]:
     """Bytes each launch must move and flops it must do, for T tokens at EP size 1.
 
     pairs = T * top_k (every slot local), n_hit = distinct experts hit. Activations are
@@ -98,6 +104,11 @@ def kernel_terms(scheme: str, H: int, I: int, T: int, top_k: int, n_hit: int, *,
         fp32, MXFP4: H*I/32 bytes), the activation read back (+ scales), fp32 partials
         written and read once by the combine (2 * pairs*H*4), out written (T*H*x_bytes).
         flops 2*pairs*H*I.
+    separate (GEMM2's combine in its own launch): gemm2 writes the weighted rows in the
+        output dtype (pairs*H*x_bytes) and `combine` reads them back and writes out.
+    split_sort (the routing sort over two launches, kernels/routing.py): `routing.sort`, the
+        second launch, reads topk_ids again and writes the sorted pair list (moved there
+        from `routing`).
     The sum over kernels exceeds bench.floor_terms (the layer's compulsory I/O) by the
     intermediate round trips (activation, partials) and the routing launch's own traffic.
     """
@@ -132,11 +143,19 @@ def kernel_terms(scheme: str, H: int, I: int, T: int, top_k: int, n_hit: int, *,
     gemm2["inter read"] = pairs * I * act
     if fp8_act:
         gemm2["inter scales read"] = pairs * gI * 4
-    gemm2 |= {"partial write": pairs * H * 4, "partial read": pairs * H * 4, "out write": T * H * x_bytes}
-
-    return {"routing": KernelTerms(routing, 0),
-            "gemm1": KernelTerms(gemm1, 2 * pairs * 2 * I * H),
-            "gemm2": KernelTerms(gemm2, 2 * pairs * H * I)}
+    terms = {"gemm1": KernelTerms(gemm1, 2 * pairs * 2 * I * H)}
+    if separate:
+        gemm2["partial write"] = pairs * H * x_bytes
+        terms["combine"] = KernelTerms({"topk_ids read": pairs * id_bytes, "partial read": pairs * H * x_bytes,
+                                        "out write": T * H * x_bytes}, 0)
+    else:
+        gemm2 |= {"partial write": pairs * H * 4, "partial read": pairs * H * 4, "out write": T * H * x_bytes}
+    terms["gemm2"] = KernelTerms(gemm2, 2 * pairs * H * I)
+    if split_sort:
+        sort = {"topk_ids read": pairs * id_bytes, "sorted ids write": routing.pop("sorted ids write")}
+        terms["routing.sort"] = KernelTerms(sort, 0)
+    terms["routing"] = KernelTerms(routing, 0)
+    return terms
 
 
 def floor_us(nbytes: float, flops: float, read_tbps: float, tflops: float) -> float:
@@ -293,7 +312,8 @@ def measure(args: argparse.Namespace) -> list[dict]:
                 w, ids = bench.make_routing(T, E, k, args.routing, gen)
                 x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
                 for r in measure_rows(timer, spec, weights, ws, x, w, ids, ceil, sms=sms, props=props,
-                                      labels=dict(device=dev, shape=name, routing=args.routing)):
+                                      labels=dict(device=dev, shape=name, routing=args.routing),
+                                      combine=args.combine):
                     rows.append(r)
                     _print_row(r, stamp())
             del weights, ws
@@ -308,7 +328,8 @@ def measure(args: argparse.Namespace) -> list[dict]:
 
 
 def measure_rows(timer: Any, spec: Any, weights: Any, ws: Any, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
-                 ceil: dict[str, float], *, sms: int, props: Any = None, labels: dict | None = None) -> list[dict]:
+                 ceil: dict[str, float], *, sms: int, props: Any = None, labels: dict | None = None,
+                 combine: str = "auto") -> list[dict]:
     """One row per launch of fused_experts(x, w, ids) plus a 'layer' row; timer.graph_us(fn, prepare) times each."""
     from .experts import device_name, fused_experts
     from .kernels.tuning import lookup
@@ -320,29 +341,34 @@ def measure_rows(timer: Any, spec: Any, weights: Any, ws: Any, x: torch.Tensor, 
     n_hit = int(torch.unique(ids).numel())  # setup only, outside every timed region
 
     def layer() -> None:
-        fused_experts(x, w, ids, weights, spec, workspace=ws, out=out)
+        fused_experts(x, w, ids, weights, spec, workspace=ws, out=out, combine=None if combine == "auto" else combine)
 
     base = dict(labels or {}, scheme=scheme, T=T, sms=sms, config=bench._cfg_str(cfg))
 
     def reset() -> None:
         # Untimed, before each replay: a lone GEMM2 needs the combine counters the routing
-        # launch zeroes, and a NaN output shows whether the last timed GEMM2 wrote every row.
+        # launch zeroes, and a NaN output shows whether the last timed launch (GEMM2 or the
+        # separate combine) wrote every row.
         ws.counters.zero_()
         out.fill_(float("nan"))
 
     layer_us = timer.graph_us(layer)
     launches = record_launches(layer)
     ref = out.clone()
-    terms = kernel_terms(scheme, H, I, T, k, n_hit)
+    stages = [launch.stage for launch in launches]
+    terms = kernel_terms(scheme, H, I, T, k, n_hit, separate="combine" in stages,
+                         split_sort=stages.count("routing") > 1)
     rows = []
-    for launch in launches:
+    for i, launch in enumerate(launches):
+        # the second routing launch is the split sort's scatter (kernels/routing.py)
+        stage = "routing.sort" if launch.stage == "routing" and "routing" in stages[:i] else launch.stage
         us = timer.graph_us(launch, prepare=reset)
         info = compiled_info(launch.compiled)
         occ = ctas_per_sm(info, props)
-        active = active_programs(launch.stage, launch.programs, ids, E, k, cfg.block_m)
-        r = dict(base, kernel=launch.stage, us=round(us, 2), programs=launch.programs, active_programs=active,
+        active = active_programs(stage, launch.programs, ids, E, k, cfg.block_m)
+        r = dict(base, kernel=stage, us=round(us, 2), programs=launch.programs, active_programs=active,
                  ctas_per_sm_est=occ, waves_est=round(active / (sms * occ), 2) if occ else None, **info)
-        t = terms.get(launch.stage)
+        t = terms.get(stage)
         if t is not None:
             r.update(_floor_columns(t.bytes, t.flops, us, ceil["read_tbps"], rate))
         else:
@@ -350,9 +376,8 @@ def measure_rows(timer: Any, spec: Any, weights: Any, ws: Any, x: torch.Tensor, 
         rows.append(r)
     note = f"sum of kernels {sum(r['us'] for r in rows):.1f} us"
     if not torch.equal(out, ref):
-        note += "; the last lone GEMM2 replay did not rebuild the layer's output (its time is suspect)"
-    stages = [launch.stage for launch in launches]
-    if stages != list(STAGES.values()):
+        note += "; the last lone replay did not rebuild the layer's output (its time is suspect)"
+    if stages != ["routing", "gemm1", "gemm2"]:
         note += f"; launches {stages}"
     nbytes, flops = bench.floor_terms(spec, ids, x.element_size())
     rows.append(dict(base, kernel="layer", us=round(layer_us, 2), programs=sum(r["programs"] for r in rows),

@@ -3,9 +3,10 @@
 Schemes: bf16, fp8 (e4m3 weights, 128x128 block scales), a16w4 (MXFP4 weights, bf16
 activations) and a8w4 (MXFP4 weights, e4m3 activations per token-group-128, fp8 dots).
 
-Three Triton launches per call, no host sync, every buffer in a `Workspace` that the
-caller may allocate once (`allocate_workspace`) and pass in, so the forward is
-CUDA-graph capturable and the caller sees every allocation.
+Three Triton launches per call at small T; large T adds a separate combine
+(kernels/gemm2.py) and a second routing-sort launch (kernels/routing.py). No host sync,
+every buffer in a `Workspace` that the caller may allocate once (`allocate_workspace`) and
+pass in, so the forward is CUDA-graph capturable and the caller sees every allocation.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Workspace:
     sorted_ids: torch.Tensor  # int32 [rows]: pair id per padded row, num_pairs = padding
     block_expert: torch.Tensor  # int32 [blocks]: local expert per row block, -1 = no work
     cursor: torch.Tensor  # int32 [E_l]: routing scatter cursors
+    chunk_counts: torch.Tensor  # int32 [sort_chunks(max_tokens * top_k) * E_l]: split routing sort's histograms
     counters: torch.Tensor  # int32 [max_tokens * n_counters]: combine arrivals per (token, n-tile)
     n_counters: int
     partial: torch.Tensor  # fp32 [max_tokens * top_k, H]: weighted GEMM2 rows, combined in slot order
@@ -89,7 +91,8 @@ def allocate_workspace(spec: MoESpec, max_tokens: int, device: torch.device | st
     return Workspace(
         max_tokens=max_tokens, top_k=k, num_local=E_l, scheme=spec.scheme,
         sorted_ids=torch.empty(rows, **i32), block_expert=torch.empty(blocks, **i32),
-        cursor=torch.empty(E_l, **i32), counters=torch.empty(max_tokens * n_counters, **i32),
+        cursor=torch.empty(E_l, **i32), chunk_counts=torch.empty(routing.sort_chunks(pairs) * E_l, **i32),
+        counters=torch.empty(max_tokens * n_counters, **i32),
         n_counters=n_counters,
         partial=torch.empty(pairs, H, dtype=torch.float32, device=device),
         inter=torch.empty(rows, I, dtype=FP8_DTYPE if fp8 else torch.bfloat16, device=device),
@@ -140,14 +143,16 @@ def _check_inputs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
 def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, weights: PreparedWeights,
                   spec: MoESpec, *, workspace: Workspace | None = None, config: TileConfig | None = None,
                   out: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
-                  remote: RemoteOutput | None = None) -> torch.Tensor | None:
+                  remote: RemoteOutput | None = None, combine: str | None = None) -> torch.Tensor | None:
     """[T, H] in x.dtype: sum over top-k of weight * expert(x) for this rank's local experts.
 
     `config` (a kernels.tuning.TileConfig) overrides the table lookup; `out` (optional,
     [T, H] in x.dtype, last dim contiguous) receives the result. Used by the symm transport:
     `x_scale` marks x as already e4m3 per token-group-128 (fp8-activation schemes skip the
     quant), and `remote` (kernels.gemm2.RemoteOutput) pushes the results to the source
-    ranks instead; the call then returns None.
+    ranks instead; the call then returns None. `combine` forces GEMM2's top-k combine:
+    "counter" (inside GEMM2) or "separate" (a fourth launch, local output only); default by
+    pair count (kernels.gemm2.SEPARATE_MIN_PAIRS).
     """
     if spec.scheme not in SUPPORTED:
         raise ValueError(f"fused_experts supports schemes {[s.value for s in SUPPORTED]}, got {spec.scheme.value}")
@@ -173,6 +178,10 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
           or out.device != x.device or out.stride(1) != 1):
         raise ValueError(f"out must be [T, H] = {list(x.shape)} {torch.bfloat16 if pre_quantized else x.dtype} on "
                          f"{x.device} with a contiguous last dim, got {list(out.shape)} {out.dtype} on {out.device}")
+    if combine not in (None, "counter", "separate"):
+        raise ValueError(f"combine must be 'counter' or 'separate' (or None: by pair count), got {combine!r}")
+    if combine == "separate" and remote is not None:
+        raise ValueError("combine='separate' writes a local output; the symm transport's remote push needs 'counter'")
     if T == 0:
         return out
     if weights.w2.device != x.device:
@@ -188,7 +197,8 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     routing.routing_metadata(topk_ids, weights.expert_map, E_l, cfg.block_m, ws.sorted_ids, ws.block_expert,
                              ws.cursor, x, out, ws.counters, ws.n_counters,
                              xq=ws.x_q if quant else None, xs=ws.x_scale if quant else None,
-                             sent=(remote.info, remote.capacity) if remote is not None else None)
+                             sent=(remote.info, remote.capacity) if remote is not None else None,
+                             chunk_counts=ws.chunk_counts)
     act = spec.activation
     x1, x1_scale = (x, x_scale) if pre_quantized else (ws.x_q, ws.x_scale) if fp8 else (x, None)
     gemm1.gemm1(x1, x1_scale, weights.w13, weights.w13_scale, weights.w13_bias,
@@ -196,9 +206,14 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
                 oai=act.kind.value == "swiglu_oai", alpha=act.alpha, limit=act.limit,
                 block_m=cfg.block_m, block_n=cfg.block_n1, block_k=cfg.block_k1,
                 num_warps=cfg.warps1, num_stages=cfg.stages1, group_m=cfg.group_m)
+    separate = remote is None and (combine == "separate" or (combine is None and T * k >= gemm2.SEPARATE_MIN_PAIRS))
+    partial = gemm2.separate_partial(ws.partial, out) if separate else ws.partial
     gemm2.gemm2(ws.inter, ws.inter_scale, weights.w2, weights.w2_scale, weights.w2_bias,
                 ws.sorted_ids, ws.block_expert, n_blocks, topk_ids, weights.expert_map, topk_weights,
-                ws.partial, ws.counters, ws.n_counters, out if out is not None else ws.partial,
+                partial, ws.counters, ws.n_counters, out if out is not None else ws.partial,
                 block_m=cfg.block_m, block_n=cfg.block_n2, block_k=cfg.block_k2,
-                num_warps=cfg.warps2, num_stages=cfg.stages2, group_m=cfg.group_m, remote=remote)
+                num_warps=cfg.warps2, num_stages=cfg.stages2, group_m=cfg.group_m, remote=remote,
+                separate=separate)
+    if separate:
+        gemm2.combine(partial, topk_ids, weights.expert_map, out)
     return out

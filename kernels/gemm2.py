@@ -7,6 +7,13 @@ in slot order 0..k-1 and writes out[token, n-tile]. The result is bitwise indepe
 of the programs' finishing order (float atomics would not be), and needs no zeroed
 output: the routing launch zeroes the counters, so the layer stays at three launches.
 
+SEPARATE (large T, local output only): the epilogue only stores each weighted (token, slot)
+row, in the output dtype, to partial[pair]; a fourth launch (`combine`) sums each token's
+local slots in slot order 0..k-1. Same order, so still deterministic; it drops the counter
+atomics, the last program's serial k-row read and their registers from GEMM2, and halves
+the partial traffic for bf16 output. Below SEPARATE_MIN_PAIRS pairs the counter combine
+keeps the layer at three launches.
+
 REMOTE (symm transport, kernels/transport.py): the rows are other ranks' tokens. For a
 source in fused mode each weighted (token, slot) row goes straight into that source's
 `slots` row t*k + j; for a source in split mode the token's local slots are combined as
@@ -30,6 +37,9 @@ from .common import QGROUP, cast, dot, interpreting, tile_ids
 from .mxfp4 import tile_bf16, tile_bf16_nk, tile_e4m3, tile_e4m3_nk
 
 GROUP = 128  # host-side twin of common.QGROUP
+# Pair count from which fused_experts combines in a separate launch (measured on an H200:
+# docs/perf/kernels-breakdown-h200.md, "GEMM2 combine").
+SEPARATE_MIN_PAIRS = 4096
 
 
 @dataclass(frozen=True)
@@ -56,7 +66,7 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, sorted_ptr, block_expe
                   FP8: tl.constexpr, W4: tl.constexpr, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr,
                   TOPK: tl.constexpr, KP2: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr, INTERP: tl.constexpr, REMOTE: tl.constexpr):
+                  GROUP_M: tl.constexpr, INTERP: tl.constexpr, REMOTE: tl.constexpr, SEPARATE: tl.constexpr):
     pid_m, pid_n = tile_ids(n_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
@@ -94,15 +104,16 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, sorted_ptr, block_expe
         as_ptrs = as_ptr + rows64 * k_groups
         if not W4:
             ws_ptrs = ws_ptr + e64 * (tl.cdiv(hidden, QGROUP) * k_groups) + (n // QGROUP) * k_groups
-    # Which of this token's slots are local (read before the K loop so the latency hides):
-    # their count is the counter value that completes the token.
     tok = pair64 // TOPK
     j = tl.arange(0, KP2)
-    slot_ok = row_ok[:, None] & (j[None, :] < TOPK)
-    gid = tl.load(ids_ptr + tok[:, None] * TOPK + j[None, :], mask=slot_ok, other=-1).to(tl.int32)
-    slot_ok = slot_ok & (gid >= 0) & (gid < num_experts)
-    slot_ok = slot_ok & (tl.load(emap_ptr + gid, mask=slot_ok, other=-1) >= 0)
-    needed = tl.sum(slot_ok.to(tl.int32), 1)
+    if not SEPARATE:
+        # Which of this token's slots are local (read before the K loop so the latency hides):
+        # their count is the counter value that completes the token.
+        slot_ok = row_ok[:, None] & (j[None, :] < TOPK)
+        gid = tl.load(ids_ptr + tok[:, None] * TOPK + j[None, :], mask=slot_ok, other=-1).to(tl.int32)
+        slot_ok = slot_ok & (gid >= 0) & (gid < num_experts)
+        slot_ok = slot_ok & (tl.load(emap_ptr + gid, mask=slot_ok, other=-1) >= 0)
+        needed = tl.sum(slot_ok.to(tl.int32), 1)
     if SWAP:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # out^T
     else:
@@ -158,48 +169,96 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, sorted_ptr, block_expe
         acc += tl.load(bias_ptr + e64 * hidden + n, mask=n_ok, other=0.0)[None, :]
     weight = tl.load(topk_w_ptr + pair64, mask=row_ok, other=0.0).to(tl.float32)
     acc = acc * weight[:, None]
-    combine_rows = row_ok
-    if REMOTE:
-        src = tok // capacity
-        t_src = tok - src * capacity
-        # heaps are page-aligned and their buffers SYMM_ALIGN-aligned: say so, or the stores go scalar
-        d = tl.multiple_of(tl.load(delta_ptr + src, mask=row_ok, other=0) // 2, 16)  # bf16 elements
-        fused = row_ok & (tl.load(info_ptr + src * 2 + 1, mask=row_ok, other=0) == 1)
-        dst = slots_ptr + d + (t_src * TOPK + (pair64 - tok * TOPK)) * hidden
-        tl.store(dst[:, None] + n[None, :], cast(acc, slots_ptr.dtype.element_ty, INTERP),
-                 mask=fused[:, None] & n_ok[None, :])
-        combine_rows = row_ok & (fused == 0)
-        dst_row = returned_ptr + d + (rank * capacity + t_src) * hidden
+    if SEPARATE:  # `combine` sums the rows in a later launch
+        tl.store(partial_ptr + pair64[:, None] * hidden + n[None, :], cast(acc, partial_ptr.dtype.element_ty, INTERP),
+                 mask=row_ok[:, None] & n_ok[None, :])
     else:
-        dst_row = out_ptr + tok * stride_out
-    tile_mask = combine_rows[:, None] & n_ok[None, :]
-    tl.store(partial_ptr + pair64[:, None] * hidden + n[None, :], acc, mask=tile_mask)
+        combine_rows = row_ok
+        if REMOTE:
+            src = tok // capacity
+            t_src = tok - src * capacity
+            # heaps are page-aligned and their buffers SYMM_ALIGN-aligned: say so, or the stores go scalar
+            d = tl.multiple_of(tl.load(delta_ptr + src, mask=row_ok, other=0) // 2, 16)  # bf16 elements
+            fused = row_ok & (tl.load(info_ptr + src * 2 + 1, mask=row_ok, other=0) == 1)
+            dst = slots_ptr + d + (t_src * TOPK + (pair64 - tok * TOPK)) * hidden
+            tl.store(dst[:, None] + n[None, :], cast(acc, slots_ptr.dtype.element_ty, INTERP),
+                     mask=fused[:, None] & n_ok[None, :])
+            combine_rows = row_ok & (fused == 0)
+            dst_row = returned_ptr + d + (rank * capacity + t_src) * hidden
+        else:
+            dst_row = out_ptr + tok * stride_out
+        tile_mask = combine_rows[:, None] & n_ok[None, :]
+        tl.store(partial_ptr + pair64[:, None] * hidden + n[None, :], acc, mask=tile_mask)
 
-    tl.debug_barrier()  # every thread's partial stores precede the release below
-    seen = tl.atomic_add(counters_ptr + tok * n_counters + pid_n, tl.full([BLOCK_M], 1, tl.int32),
-                         mask=combine_rows, sem="acq_rel", scope="gpu")
-    last = combine_rows & (seen == needed - 1)
-    if tl.sum(last.to(tl.int32), 0) > 0:
-        tl.debug_barrier()  # the acquire above precedes every thread's partial loads
-        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        # Not unrolled: k live [BLOCK_M, BLOCK_N] tiles would spill. Validity comes from
-        # slot_ok (registers), so each step is a single load.
-        for s in range(0, TOPK):
-            ok = last & (tl.sum(tl.where(j[None, :] == s, slot_ok, False).to(tl.int32), 1) > 0)
-            p_ptrs = partial_ptr + (tok * TOPK + s)[:, None] * hidden + n[None, :]
-            total += tl.load(p_ptrs, mask=ok[:, None] & n_ok[None, :], other=0.0, cache_modifier=".cg")
-        tl.store(dst_row[:, None] + n[None, :], cast(total, dst_row.dtype.element_ty, INTERP),
-                 mask=last[:, None] & n_ok[None, :])
+        tl.debug_barrier()  # every thread's partial stores precede the release below
+        seen = tl.atomic_add(counters_ptr + tok * n_counters + pid_n, tl.full([BLOCK_M], 1, tl.int32),
+                             mask=combine_rows, sem="acq_rel", scope="gpu")
+        last = combine_rows & (seen == needed - 1)
+        if tl.sum(last.to(tl.int32), 0) > 0:
+            tl.debug_barrier()  # the acquire above precedes every thread's partial loads
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            # Not unrolled: k live [BLOCK_M, BLOCK_N] tiles would spill. Validity comes from
+            # slot_ok (registers), so each step is a single load.
+            for s in range(0, TOPK):
+                ok = last & (tl.sum(tl.where(j[None, :] == s, slot_ok, False).to(tl.int32), 1) > 0)
+                p_ptrs = partial_ptr + (tok * TOPK + s)[:, None] * hidden + n[None, :]
+                total += tl.load(p_ptrs, mask=ok[:, None] & n_ok[None, :], other=0.0, cache_modifier=".cg")
+            tl.store(dst_row[:, None] + n[None, :], cast(total, dst_row.dtype.element_ty, INTERP),
+                     mask=last[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(partial_ptr, ids_ptr, emap_ptr, out_ptr, stride_out, num_experts, hidden,
+                    TOPK: tl.constexpr, KP2: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < hidden
+    j = tl.arange(0, KP2)
+    slot_ok = j < TOPK
+    gid = tl.load(ids_ptr + t * TOPK + j, mask=slot_ok, other=-1).to(tl.int32)
+    slot_ok = slot_ok & (gid >= 0) & (gid < num_experts)
+    slot_ok = slot_ok & (tl.load(emap_ptr + gid, mask=slot_ok, other=-1) >= 0)
+    total = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for s in tl.static_range(TOPK):  # slot order: the same sum as the counter combine
+        local = tl.sum(tl.where(j == s, slot_ok, False).to(tl.int32), 0) > 0
+        total += tl.load(partial_ptr + (t * TOPK + s) * hidden + h, mask=h_ok & local, other=0.0).to(tl.float32)
+    # tokens with no local slot get zeros, as the routing launch gives them on the counter path
+    tl.store(out_ptr + t * stride_out + h, cast(total, out_ptr.dtype.element_ty, INTERP), mask=h_ok)
+
+
+def separate_partial(partial: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The fp32 partial workspace [P, H] reinterpreted as [P, H] rows of out's dtype (SEPARATE mode)."""
+    if out.element_size() > partial.element_size():
+        raise ValueError(f"out dtype {out.dtype} is wider than the partial workspace's {partial.dtype}")
+    rows, hidden = partial.shape
+    return partial.view(-1).view(out.dtype)[:rows * hidden].view(rows, hidden)
+
+
+def combine(partial: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor, out: torch.Tensor) -> None:
+    """out[t] = sum over t's local slots, in slot order, of partial[t*k + slot] (SEPARATE mode's last launch)."""
+    num_tokens, top_k = topk_ids.shape
+    hidden = out.shape[1]
+    if partial.dtype != out.dtype or partial.shape[0] < num_tokens * top_k or partial.shape[1] != hidden:
+        raise ValueError(f"combine: partial {partial.dtype} {tuple(partial.shape)} must be [>= T*k, H] rows of "
+                         f"out's dtype {out.dtype} (T={num_tokens}, k={top_k}, H={hidden})")
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    _combine_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
+        partial, topk_ids, expert_map, out, out.stride(0), expert_map.shape[0], hidden,
+        TOPK=top_k, KP2=triton.next_power_of_2(top_k), BLOCK_H=block_h, INTERP=interpreting(), num_warps=4,
+    )
+
 
 def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_scale: torch.Tensor | None,
           w2_bias: torch.Tensor | None, sorted_ids: torch.Tensor, block_expert: torch.Tensor, n_blocks: int,
           topk_ids: torch.Tensor, expert_map: torch.Tensor, topk_weights: torch.Tensor,
           partial: torch.Tensor, counters: torch.Tensor, n_counters: int, out: torch.Tensor, *,
           block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int, group_m: int = 8,
-          remote: "RemoteOutput | None" = None) -> None:
+          remote: "RemoteOutput | None" = None, separate: bool = False) -> None:
     """out[t] = sum_k w[t,k] * (act[row(t,k)] @ w2[e]^T (+bias)), deterministic combine.
 
     remote: push the results to the source ranks instead of `out` (see the module docstring).
+    separate: only write the weighted rows to `partial` (from `separate_partial`); the
+    caller then runs `combine`.
     """
     fp8 = a_scale is not None  # e4m3 activations (fp8, a8w4)
     w4 = w2.dtype == torch.uint8  # MXFP4 weights (a16w4, a8w4): w2 [E, H, I/2]
@@ -216,6 +275,8 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
     if triton.cdiv(hidden, block_n) > n_counters:
         raise ValueError(f"GEMM2 block_n={block_n} needs {triton.cdiv(hidden, block_n)} counters per token, "
                          f"the workspace has {n_counters}")
+    if separate and (remote is not None or partial.dtype != out.dtype):
+        raise ValueError("GEMM2 separate combine: local output only, partial in out's dtype (separate_partial)")
     # MXFP4 at few rows per expert: weight tile as the dot's left operand (see the module docstring)
     swap = w4 and block_m <= 16
     grid = (n_blocks * triton.cdiv(hidden, block_n),)
@@ -226,6 +287,6 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
         *(remote.args() if remote is not None else (partial,) * 4 + (1, 0)),
         FP8=fp8, W4=w4, SWAP=swap, HAS_BIAS=w2_bias is not None, TOPK=top_k, KP2=triton.next_power_of_2(top_k),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, INTERP=interpreting(),
-        REMOTE=remote is not None,
+        REMOTE=remote is not None, SEPARATE=separate,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -1,6 +1,6 @@
 """Routing metadata: sort (token, slot) pairs by local expert, padded per expert to BLOCK_M.
 
-One launch does all the per-call preparation the GEMMs need, so the layer stays at three
+One launch does all the per-call preparation the GEMMs need, so a small call stays at three
 launches (this, GEMM1, GEMM2):
   program 0      : counts pairs per local expert, writes the padded sorted pair list and
                    the per-block expert table (-1 = no work);
@@ -8,7 +8,23 @@ launches (this, GEMM1, GEMM2):
                    counters, zero its output columns when no slot is local (nobody else
                    would write them), and for fp8 quantize its input per group of 128
                    (so GEMM1 streams e4m3). Chunks keep this at one memory round trip.
-Sizes are static functions of (T, top_k, E_l, BLOCK_M), so the launch is graph-capturable.
+Program 0 walks every pair twice on one SM, so its time grows with T*k: 5-8 us per 1024
+pairs on an H200 (120 us at 16k pairs, 312-495 us at 64k, 3% of the layer). Above
+SPLIT_PAIRS pairs (and when the caller passes a `chunk_counts` scratch) the sort is spread
+over two launches, one program per SORT_CHUNK pairs:
+  launch A, programs 0..n_pc-1 : chunk c's pairs per local expert -> chunk_counts[c, :]
+                                 (plain stores: each program owns its row);
+            programs n_pc..    : the token programs above;
+  launch B, program i          : every expert's padded row start and the pairs of chunks
+                                 before i, summed from chunk_counts; scatters chunk i's pairs
+                                 (sorted in registers by (expert, pair), so the order is
+                                 stable), then writes block_expert and the padding rows of
+                                 blocks [i*FILL_BLOCKS, (i+1)*FILL_BLOCKS). Real rows and
+                                 padding rows are disjoint, so no store races another.
+Both launches are `_routing_kernel` (a constexpr STEP picks the part), so tools that name
+launches by kernel see "routing". Neither uses atomics or a cursor set by the other launch:
+replaying either alone (atom-moe breakdown does) rewrites the same values.
+Sizes are static functions of (T, top_k, E_l, BLOCK_M), so both paths are graph-capturable.
 """
 
 from __future__ import annotations
@@ -19,10 +35,27 @@ import triton.language as tl
 
 from .common import FP8_MAX, cast, interpreting
 
+# Pairs above which the sort runs as two launches. Program 0 costs 5-8 us per 1024 pairs; the
+# split path adds a launch (its gap, plus each program summing chunk_counts: a few us), so on
+# paper it wins from ~2 chunks. 4096 is conservative until measured: it keeps decode-size
+# calls (T <= 512 at top-8, the CUDA-graph batch sizes, where a launch gap matters most) and
+# T = 1 (three launches in all) on the one-launch path. Symm receive rows (SENT) are sized by
+# capacity W*C*k, not by the tokens that arrived, so they split above it even when few rows
+# came (chunks of unsent rows read no ids; program 0 would read only the sent rows).
+# Read at call time: tests lower it.
+SPLIT_PAIRS = 4096
+SORT_CHUNK = 1024  # pairs per split-sort program (a power of 2: one tl.sort in registers)
+FILL_BLOCKS = 64  # row blocks whose padding and block_expert one launch-B program writes (multiple of 16)
+
 
 def max_blocks(num_pairs: int, num_local: int, block_m: int) -> int:
     """Upper bound on the padded block count: each non-empty expert wastes < 1 block."""
     return num_pairs // block_m + min(num_local, num_pairs)
+
+
+def sort_chunks(num_pairs: int) -> int:
+    """Programs of the split sort (SORT_CHUNK pairs each); chunk_counts holds this many rows of E_l."""
+    return triton.cdiv(num_pairs, SORT_CHUNK)
 
 
 @triton.jit
@@ -107,6 +140,78 @@ def _sort_program(ids_ptr, emap_ptr, sorted_ptr, block_expert_ptr, cursor_ptr, i
 
 
 @triton.jit
+def _chunk_bins(ids_ptr, emap_ptr, chunk, num_pairs, num_experts, num_local, info_ptr, capacity,
+                CHUNK: tl.constexpr, TOPK: tl.constexpr, SENT: tl.constexpr):
+    """Bin of each pair of one split-sort chunk: its local expert, num_local for pairs that do no work."""
+    pair = chunk * CHUNK + tl.arange(0, CHUNK)
+    # SENT: unsent rows are masked like sentinels (their ids are never read)
+    loc = _local_expert(ids_ptr, emap_ptr, pair, pair < num_pairs, num_experts, info_ptr, capacity, TOPK, SENT)
+    return tl.where(loc >= 0, loc, num_local)
+
+
+@triton.jit
+def _count_program(chunk, ids_ptr, emap_ptr, counts_ptr, info_ptr, capacity, num_pairs, num_experts, num_local,
+                   NB: tl.constexpr, CHUNK: tl.constexpr, TOPK: tl.constexpr, SENT: tl.constexpr):
+    # Split sort, launch A: this chunk's pairs per local expert (the no-work bin is dropped).
+    bins = _chunk_bins(ids_ptr, emap_ptr, chunk, num_pairs, num_experts, num_local, info_ptr, capacity,
+                       CHUNK, TOPK, SENT)
+    e = tl.arange(0, NB)
+    tl.store(counts_ptr + chunk * num_local + e, tl.histogram(bins, NB), mask=e < num_local)
+
+
+@triton.jit
+def _scatter_program(pid, ids_ptr, emap_ptr, sorted_ptr, block_expert_ptr, counts_ptr, info_ptr, capacity,
+                     num_pairs, num_experts, num_local, n_sort, n_blocks,
+                     BLOCK_M: tl.constexpr, NB: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
+                     BB: tl.constexpr, CB: tl.constexpr, TOPK: tl.constexpr, SENT: tl.constexpr):
+    # Split sort, launch B. Every program needs the global row ranges, so each sums the
+    # n_sort x E_l counts itself (64 x 256 ints at T = 8192, top-8, 256 local experts:
+    # L2-resident) rather than waiting on another program; the total grows as n_sort^2.
+    e = tl.arange(0, NB)
+    total = tl.zeros([NB], dtype=tl.int32)
+    before = tl.zeros([NB], dtype=tl.int32)  # pairs of each expert in chunks < pid
+    for c0 in range(0, n_sort, CB):
+        c = c0 + tl.arange(0, CB)
+        tile = tl.load(counts_ptr + c[:, None] * num_local + e[None, :],
+                       mask=(c[:, None] < n_sort) & (e[None, :] < num_local), other=0)
+        total += tl.sum(tile, 0)
+        before += tl.sum(tl.where(c[:, None] < pid, tile, 0), 0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    row_end = tl.cumsum(padded, 0)
+    row_start = row_end - padded
+    if pid < n_sort:
+        # Scatter chunk pid: sort its (bin, position) keys (unique, so the sort is stable);
+        # after sorting, position p of expert b goes to row_start[b] + before[b] + (p - first[b]).
+        bins = _chunk_bins(ids_ptr, emap_ptr, pid, num_pairs, num_experts, num_local, info_ptr, capacity,
+                           CHUNK, TOPK, SENT)
+        hist = tl.histogram(bins, NB)
+        first = tl.cumsum(hist, 0) - hist  # sorted position of each bin's first pair
+        p = tl.arange(0, CHUNK)
+        key = tl.sort(bins * CHUNK + p)
+        sbin = key // CHUNK
+        row = tl.gather(row_start + before - first, sbin, 0) + p
+        tl.store(sorted_ptr + row, pid * CHUNK + key % CHUNK, mask=sbin < num_local)
+    # Blocks [pid*FILL, (pid+1)*FILL): block_expert, and padding (num_pairs) in every row that
+    # holds no pair: past its expert's count, or in a block past the last used one. The owner
+    # of block b is the count of experts ending at or before b (as in _sort_program); the
+    # experts before it are exactly those, so their padded sizes sum to its first row.
+    blk_end = row_end // BLOCK_M
+    total_blocks = tl.sum(padded, 0) // BLOCK_M
+    for i in tl.static_range(FILL // BB):
+        b = pid * FILL + i * BB + tl.arange(0, BB)
+        ended = (blk_end[None, :] <= b[:, None]) & (e[None, :] < num_local)
+        owner = tl.sum(ended.to(tl.int32), 1)
+        used = b < total_blocks
+        tl.store(block_expert_ptr + b, tl.where(used, owner, -1), mask=b < n_blocks)
+        owner_start = tl.sum(tl.where(ended, padded[None, :], 0), 1)
+        owner_count = tl.sum(tl.where(e[None, :] == owner[:, None], total[None, :], 0), 1)
+        r = b[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        pad = (r - owner_start[:, None] >= owner_count[:, None]) | (b[:, None] >= total_blocks)
+        tl.store(sorted_ptr + r, tl.zeros([BB, BLOCK_M], dtype=tl.int32) + num_pairs,
+                 mask=pad & (b[:, None] < n_blocks))
+
+
+@triton.jit
 def _token_program(t, chunk, ids_ptr, emap_ptr, x_ptr, stride_x, xq_ptr, xs_ptr, out_ptr, stride_out,
                    counters_ptr, n_counters, num_experts, hidden, info_ptr, capacity,
                    TOPK: tl.constexpr, KP2: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
@@ -156,19 +261,31 @@ def _token_work(t64, chunk, ids_ptr, emap_ptr, x_ptr, stride_x, xq_ptr, xs_ptr, 
 
 
 @triton.jit
-def _routing_kernel(ids_ptr, emap_ptr, sorted_ptr, block_expert_ptr, cursor_ptr,
+def _routing_kernel(ids_ptr, emap_ptr, sorted_ptr, block_expert_ptr, cursor_ptr, counts_ptr,
                     x_ptr, stride_x, xq_ptr, xs_ptr, out_ptr, stride_out, counters_ptr, n_counters,
                     info_ptr, capacity, n_src,
-                    num_pairs, num_experts, num_local, n_rows, n_blocks, hidden, n_chunks,
+                    num_pairs, num_experts, num_local, n_rows, n_blocks, hidden, n_chunks, n_sort,
                     BLOCK_M: tl.constexpr, NB: tl.constexpr, CHUNK: tl.constexpr, BB: tl.constexpr,
                     TOPK: tl.constexpr, KP2: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
-                    GPC: tl.constexpr, EMULATE: tl.constexpr, SENT: tl.constexpr):
+                    GPC: tl.constexpr, EMULATE: tl.constexpr, SENT: tl.constexpr, STEP: tl.constexpr,
+                    SCHUNK: tl.constexpr, FILL: tl.constexpr, CB: tl.constexpr):
+    # STEP 0: one launch (program 0 sorts); 1: split launch A (n_sort histogram programs);
+    # 2: split launch B (scatter + padding). Programs past n_sort of steps 0 and 1 are token programs.
     pid = tl.program_id(0)
-    if pid == 0:
-        _sort_program(ids_ptr, emap_ptr, sorted_ptr, block_expert_ptr, cursor_ptr, info_ptr, capacity,
-                      n_src, num_pairs, num_experts, num_local, n_rows, n_blocks, BLOCK_M, NB, CHUNK, BB, TOPK, SENT)
+    if STEP == 2:
+        _scatter_program(pid, ids_ptr, emap_ptr, sorted_ptr, block_expert_ptr, counts_ptr, info_ptr, capacity,
+                         num_pairs, num_experts, num_local, n_sort, n_blocks,
+                         BLOCK_M, NB, SCHUNK, FILL, BB, CB, TOPK, SENT)
+    elif pid < n_sort:
+        if STEP == 0:
+            _sort_program(ids_ptr, emap_ptr, sorted_ptr, block_expert_ptr, cursor_ptr, info_ptr, capacity,
+                          n_src, num_pairs, num_experts, num_local, n_rows, n_blocks, BLOCK_M, NB, CHUNK, BB,
+                          TOPK, SENT)
+        else:
+            _count_program(pid, ids_ptr, emap_ptr, counts_ptr, info_ptr, capacity, num_pairs, num_experts,
+                           num_local, NB, SCHUNK, TOPK, SENT)
     else:
-        _token_program((pid - 1) // n_chunks, (pid - 1) % n_chunks, ids_ptr, emap_ptr, x_ptr, stride_x,
+        _token_program((pid - n_sort) // n_chunks, (pid - n_sort) % n_chunks, ids_ptr, emap_ptr, x_ptr, stride_x,
                        xq_ptr, xs_ptr, out_ptr, stride_out, counters_ptr, n_counters, num_experts, hidden,
                        info_ptr, capacity, TOPK, KP2, QUANT, GROUP, GPC, 256, EMULATE, SENT)
 
@@ -177,11 +294,14 @@ def routing_metadata(topk_ids: torch.Tensor, expert_map: torch.Tensor, num_local
                      sorted_ids: torch.Tensor, block_expert: torch.Tensor, cursor: torch.Tensor,
                      x: torch.Tensor, out: torch.Tensor | None, counters: torch.Tensor, n_counters: int,
                      xq: torch.Tensor | None = None, xs: torch.Tensor | None = None,
-                     sent: tuple[torch.Tensor, int] | None = None) -> None:
+                     sent: tuple[torch.Tensor, int] | None = None,
+                     chunk_counts: torch.Tensor | None = None) -> None:
     """Fill sorted_ids / block_expert, zero counters and empty output rows, quantize x if xq given.
 
     sent = (recv_info, C): topk_ids are symm receive rows; row s*C + t counts only while
     t < recv_info[s, 0], and there is no output to zero (out may be None).
+    chunk_counts (int32, >= sort_chunks(T*k) * num_local elements) enables the two-launch
+    sort above SPLIT_PAIRS pairs; without it the sort is always the one-launch program 0.
     """
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
@@ -189,16 +309,24 @@ def routing_metadata(topk_ids: torch.Tensor, expert_map: torch.Tensor, num_local
     quant = xq is not None
     gpc = 8  # groups of 128 per token program: 1024 columns
     n_chunks = triton.cdiv(x.shape[1], gpc * 128)
-    _routing_kernel[(1 + num_tokens * n_chunks,)](
-        topk_ids, expert_map, sorted_ids, block_expert, cursor,
-        x, x.stride(0), xq if quant else x, xs if quant else x, x if out is None else out,
-        x.stride(0) if out is None else out.stride(0), counters, n_counters,
-        sent[0] if sent else counters, sent[1] if sent else 1, sent[0].shape[0] if sent else 1,
-        num_pairs, expert_map.shape[0], num_local, n_blocks * block_m, n_blocks, x.shape[1], n_chunks,
-        BLOCK_M=block_m, NB=triton.next_power_of_2(num_local + 1), CHUNK=1024, BB=16,
-        TOPK=top_k, KP2=triton.next_power_of_2(top_k), QUANT=quant, GROUP=128, GPC=gpc,
-        EMULATE=interpreting(), SENT=sent is not None, num_warps=8,
-    )
+    split = chunk_counts is not None and num_pairs > SPLIT_PAIRS
+    n_sort = sort_chunks(num_pairs) if split else 1
+    if split and chunk_counts.numel() < n_sort * num_local:
+        raise ValueError(f"chunk_counts holds {chunk_counts.numel()} ints, the split sort needs "
+                         f"sort_chunks({num_pairs}) * {num_local} = {n_sort * num_local}")
+    args = (topk_ids, expert_map, sorted_ids, block_expert, cursor, chunk_counts if split else cursor,
+            x, x.stride(0), xq if quant else x, xs if quant else x, x if out is None else out,
+            x.stride(0) if out is None else out.stride(0), counters, n_counters,
+            sent[0] if sent else counters, sent[1] if sent else 1, sent[0].shape[0] if sent else 1,
+            num_pairs, expert_map.shape[0], num_local, n_blocks * block_m, n_blocks, x.shape[1], n_chunks, n_sort)
+    meta = dict(BLOCK_M=block_m, NB=triton.next_power_of_2(num_local + 1), CHUNK=1024, BB=16,
+                TOPK=top_k, KP2=triton.next_power_of_2(top_k), QUANT=quant, GROUP=128, GPC=gpc,
+                EMULATE=interpreting(), SENT=sent is not None, SCHUNK=SORT_CHUNK, FILL=FILL_BLOCKS, CB=8,
+                num_warps=8)
+    _routing_kernel[(n_sort + num_tokens * n_chunks,)](*args, STEP=1 if split else 0, **meta)
+    if split:  # launch B: scatter programs and padding programs share the grid
+        n_fill = triton.cdiv(n_blocks, FILL_BLOCKS)
+        _routing_kernel[(max(n_sort, n_fill),)](*args, STEP=2, **meta)
 
 
 def routing_metadata_torch(topk_ids: torch.Tensor, expert_map: torch.Tensor, num_local: int,

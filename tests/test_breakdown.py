@@ -166,6 +166,26 @@ def test_measure_rows_replays_each_launch_alone(scheme):
     assert len(table) == 2 + 4 and all(line.count("|") == table[0].count("|") for line in table)
 
 
+def test_measure_rows_separate_combine_and_split_sort(monkeypatch):
+    # large-T launches: the split routing sort's second launch and the separate combine get
+    # their own rows and byte terms, and the last lone replay (the combine) rebuilds the output
+    pytest.importorskip("triton")
+    if _device() is None:
+        pytest.skip("needs a CUDA GPU or TRITON_INTERPRET=1")
+    from atom_moe.kernels import routing
+    monkeypatch.setattr(routing, "SPLIT_PAIRS", 4)
+    spec, weights, ws, x, w, ids = _tiny_layer("bf16")
+    rows = breakdown.measure_rows(CallTimer(), spec, weights, ws, x, w, ids, CEIL, sms=132, combine="separate")
+    assert [r["kernel"] for r in rows] == ["routing", "routing.sort", "gemm1", "gemm2", "combine", "layer"]
+    terms = kernel_terms("bf16", 128, 64, 5, 2, int(torch.unique(ids).numel()), separate=True, split_sort=True)
+    for r in rows[:5]:
+        assert (r["bytes"], r["flops"]) == (terms[r["kernel"]].bytes, terms[r["kernel"]].flops)
+    assert terms["combine"].bytes_by_term["partial read"] == terms["gemm2"].bytes_by_term["partial write"] == 10 * 128 * 2
+    whole = kernel_terms("bf16", 128, 64, 5, 2, 4)
+    assert terms["routing"].bytes + terms["routing.sort"].bytes == whole["routing"].bytes + 10 * 4
+    assert "did not rebuild" not in rows[-1]["note"] and "launches" in rows[-1]["note"]
+
+
 def test_breakdown_help_runs_without_a_gpu():
     proc = subprocess.run([sys.executable, "-m", "atom_moe.cli", "breakdown", "--help"], capture_output=True,
                           text=True)

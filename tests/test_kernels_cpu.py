@@ -25,7 +25,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 
 def _poison(ws) -> None:
     """Fill every workspace buffer with garbage (NaN for floats) so unwritten reads show."""
-    for name in ("sorted_ids", "block_expert", "cursor", "counters"):
+    for name in ("sorted_ids", "block_expert", "cursor", "chunk_counts", "counters"):
         getattr(ws, name).fill_(-7777)
     for name in ("partial", "inter", "inter_scale", "x_q", "x_scale"):
         t = getattr(ws, name)
@@ -77,6 +77,138 @@ def test_routing_block_bound():
     ids = torch.arange(E_l).repeat(17).view(-1, 1)  # 17 rows each -> 2 blocks each
     _, blocks = routing.routing_metadata_torch(ids, torch.arange(E_l, dtype=torch.int32), E_l, block_m)
     assert (blocks >= 0).sum() == 2 * E_l <= routing.max_blocks(ids.numel(), E_l, block_m)
+
+
+# ---------------------------------------------------------------- split (two-launch) routing sort
+def _split(monkeypatch, sort_chunk: int = 16, fill_blocks: int = 16) -> None:
+    """Force the two-launch sort at any size, with small chunks so one call has many programs."""
+    monkeypatch.setattr(routing, "SPLIT_PAIRS", 0)
+    monkeypatch.setattr(routing, "SORT_CHUNK", sort_chunk)
+    monkeypatch.setattr(routing, "FILL_BLOCKS", fill_blocks)
+
+
+def _split_ids(mode: str, T: int, E: int, k: int) -> torch.Tensor:
+    """Routing cases for the split sort; make_routing's modes plus two skews."""
+    if mode == "every_pair":  # one local expert takes every pair (the routing does not need distinct ids)
+        return torch.full((T, k), 2, dtype=torch.int32)
+    if mode == "zero_experts":  # local experts 1, 4 and 7 get no pair
+        pool = torch.tensor([0, 2, 3, 5, 6], dtype=torch.int32)
+        return pool[torch.stack([torch.randperm(5)[:k] for _ in range(T)])]
+    return make_routing(T, E, k, mode=mode)[1]
+
+
+@pytest.mark.parametrize("mode", ["random", "sentinels", "one_expert", "every_pair", "zero_experts"])
+@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize("sort_chunk", [16, 256])  # 16: many scatter programs; 256: padding-only programs too
+def test_split_routing_matches_twin(seed, monkeypatch, mode, block_m, sort_chunk):
+    _split(monkeypatch, sort_chunk)
+    E, k = 8, 3
+    T = int(torch.randint(59, 90, ()))  # 177-267 pairs: 17-22 blocks of 16, two padding ranges of 16
+    local = (0, 1, 2, 4, 5, 7)  # 3 and 6 are not local
+    spec, p = make_layer(1100, 96, E, k, "fp8", local_experts=local, device=DEVICE)  # 2 column chunks
+    ids = _split_ids(mode, T, E, k).to(DEVICE)
+    ids = ids.to(torch.int64) if seed % 2 else ids
+    ws = allocate_workspace(spec, T, DEVICE)
+    _poison(ws)
+    x = torch.randn(T, spec.hidden_size, device=DEVICE, dtype=torch.bfloat16)
+    out = torch.full((T, spec.hidden_size), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+    routing.routing_metadata(ids, p.expert_map, len(local), block_m, ws.sorted_ids, ws.block_expert, ws.cursor,
+                             x, out, ws.counters, ws.n_counters, xq=ws.x_q, xs=ws.x_scale,
+                             chunk_counts=ws.chunk_counts)
+    want_sorted, want_blocks = routing.routing_metadata_torch(ids.cpu(), p.expert_map.cpu(), len(local), block_m)
+    n_blocks = want_blocks.numel()
+    assert torch.equal(ws.block_expert[:n_blocks].cpu(), want_blocks)
+    # the split sort is stable (pair order inside each expert), so even the order matches the twin
+    assert torch.equal(ws.sorted_ids[:n_blocks * block_m].cpu(), want_sorted)
+    # the token programs (after the chunk programs in launch A) did their work too
+    assert (ws.counters[:T * ws.n_counters] == 0).all()
+    empty = (local_ids(ids, p.expert_map) < 0).all(dim=1)
+    assert (out[empty] == 0).all() and out[~empty].isnan().all()
+    q, s = formats.quantize_fp8_per_group(x)
+    assert torch.equal(ws.x_q[:T][~empty].float(), q[~empty].float()) and torch.equal(ws.x_scale[:T][~empty], s[~empty])
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_routing_sent_rows(seed, monkeypatch, split):
+    # symm receive rows: only rows t < info[s, 0] of each source s count, the rest act as sentinels
+    if split:
+        _split(monkeypatch)
+    E, k, W, C, block_m = 8, 3, 3, 13, 16
+    local = (1, 2, 4, 5, 7)
+    spec, p = make_layer(160, 96, E, k, "bf16", local_experts=local, device=DEVICE)
+    ids = make_routing(W * C, E, k, mode="sentinels", device=DEVICE)[1]
+    info = torch.zeros(W, 2, dtype=torch.int32)
+    info[:, 0] = torch.tensor([C, 0, int(torch.randint(1, C, ()))])  # full, none, some
+    ws = allocate_workspace(spec, W * C, DEVICE)
+    _poison(ws)
+    x = torch.randn(W * C, 160, device=DEVICE, dtype=torch.bfloat16)
+    routing.routing_metadata(ids, p.expert_map, len(local), block_m, ws.sorted_ids, ws.block_expert, ws.cursor,
+                             x, None, ws.counters, ws.n_counters, sent=(info.to(DEVICE), C),
+                             chunk_counts=ws.chunk_counts)
+    sent_ids = ids.cpu().clone().view(W, C, k)
+    for src in range(W):
+        sent_ids[src, int(info[src, 0]):] = -1
+    want_sorted, want_blocks = routing.routing_metadata_torch(sent_ids.view(W * C, k), p.expert_map.cpu(),
+                                                              len(local), block_m)
+    n_blocks = want_blocks.numel()
+    got_blocks = ws.block_expert[:n_blocks].cpu()
+    assert torch.equal(got_blocks, want_blocks)
+    got_sorted = ws.sorted_ids[:n_blocks * block_m].cpu()
+    if split:
+        assert torch.equal(got_sorted, want_sorted)
+    else:  # one program: arrival order inside each expert
+        for e in range(len(local)):
+            rows = (got_blocks == e).repeat_interleave(block_m)
+            assert torch.equal(got_sorted[rows].sort().values, want_sorted[rows].sort().values), f"expert {e}"
+        assert (got_sorted[~(got_blocks >= 0).repeat_interleave(block_m)] == W * C * k).all()
+
+
+@pytest.mark.parametrize("scheme,mode,local", [("bf16", "sentinels", (0, 2, 3, 5, 6)), ("fp8", "one_expert", None),
+                                               ("a8w4", "random", (1, 2, 4, 5))])
+def test_fused_experts_split_routing(seed, monkeypatch, scheme, mode, local):
+    # the whole layer through the two-launch sort: same bits as the one-launch sort (row order
+    # inside an expert changes no result bit), and vs the torch twin / fp32 oracle
+    from atom_moe.breakdown import record_launches
+    H, I, E, k, T = 160, 96, 8, 3, 41
+    spec, p = make_layer(H, I, E, k, scheme, local_experts=local, device=DEVICE)
+    w, ids = make_routing(T, E, k, mode=mode, device=DEVICE)
+    x = torch.randn(T, H, device=DEVICE).to(torch.bfloat16)
+    one = fused_experts(x, w, ids, p, spec)
+    _split(monkeypatch)
+    ws = allocate_workspace(spec, T, DEVICE)
+    _poison(ws)
+    out = torch.full((T, H), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+    launches = record_launches(lambda: fused_experts(x, w, ids, p, spec, workspace=ws, out=out))
+    stages = [launch.stage for launch in launches]
+    assert stages[:3] == ["routing", "routing", "gemm1"] and "routing" not in stages[3:], stages
+    assert torch.equal(out, one)
+    assert rel_err(out, experts_torch(x, w, ids, p, spec)) <= 1e-2
+    assert rel_err(out, reference(x, w, ids, spec, p, act_quant=scheme in ("fp8", "a8w4"))) <= 1e-2
+
+
+def test_small_calls_stay_one_routing_launch(seed):
+    # at the default threshold T = 1 (and any T*k <= SPLIT_PAIRS) is three launches in all;
+    # 16 pairs covers T = 1 up to top-16
+    from atom_moe.breakdown import record_launches
+    spec, p = make_layer(160, 96, 4, 2, "bf16", device=DEVICE)
+    ws = allocate_workspace(spec, 8, DEVICE)
+    for T in (1, 8):
+        w, ids = make_routing(T, 4, 2, device=DEVICE)
+        x = torch.randn(T, 160, device=DEVICE).to(torch.bfloat16)
+        launches = record_launches(lambda: fused_experts(x, w, ids, p, spec, workspace=ws))
+        assert [launch.stage for launch in launches] == ["routing", "gemm1", "gemm2"]
+
+
+def test_split_routing_needs_room(monkeypatch):
+    # a chunk_counts too small for the split sort is an error, not an out-of-bounds write
+    _split(monkeypatch)
+    spec, p = make_layer(160, 96, 4, 2, "bf16", device=DEVICE)
+    w, ids = make_routing(40, 4, 2, device=DEVICE)
+    ws = allocate_workspace(spec, 40, DEVICE)
+    x = torch.randn(40, 160, device=DEVICE).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="chunk_counts holds"):
+        routing.routing_metadata(ids, p.expert_map, 4, 16, ws.sorted_ids, ws.block_expert, ws.cursor, x, None,
+                                 ws.counters, ws.n_counters, chunk_counts=ws.chunk_counts[:3])
 
 
 # ---------------------------------------------------------------- the whole layer
@@ -178,6 +310,52 @@ def test_combine_is_a_fixed_order_sum(seed):
     assert torch.equal(got, want.to(torch.bfloat16))
     again = fused_experts(x, w, ids, p, spec, workspace=ws)
     assert torch.equal(got, again)
+
+
+@pytest.mark.parametrize("scheme,x_dtype,local", [("bf16", torch.bfloat16, (0, 2, 3)),
+                                                  ("fp8", torch.float16, None),
+                                                  ("a16w4", torch.float32, (1, 3)),
+                                                  ("a8w4", torch.bfloat16, None)])
+def test_separate_combine_is_a_fixed_order_sum(seed, scheme, x_dtype, local):
+    # combine="separate": GEMM2 writes weighted rows in out's dtype, a fourth launch sums the
+    # local slots in order 0..k-1; tokens with no local slot (sentinels, non-local experts) get 0
+    from atom_moe.breakdown import record_launches
+    from atom_moe.kernels.gemm2 import separate_partial
+    H, I, E, k, T = 160, 96, 5, 3, 17
+    spec, p = make_layer(H, I, E, k, scheme, local_experts=local, device=DEVICE)
+    w, ids = make_routing(T, E, k, mode="sentinels", device=DEVICE)
+    x = torch.randn(T, H, device=DEVICE, dtype=x_dtype)
+    ws = allocate_workspace(spec, T, DEVICE)
+    _poison(ws)
+    out = torch.full((T, H), float("nan"), device=DEVICE, dtype=x_dtype)
+    launches = record_launches(lambda: fused_experts(x, w, ids, p, spec, workspace=ws, out=out, combine="separate"))
+    assert [launch.name for launch in launches][-2:] == ["_gemm2_kernel", "_combine_kernel"]
+    valid = local_ids(ids, p.expert_map) >= 0
+    rows = separate_partial(ws.partial, out)[:T * k].view(T, k, H).float()
+    want = torch.zeros(T, H, device=DEVICE)
+    for j in range(k):
+        want = want + torch.where(valid[:, j, None], rows[:, j], torch.zeros_like(want))
+    assert torch.equal(out, want.to(x_dtype))
+    assert (out[~valid.any(1)] == 0).all() and torch.isfinite(out).all()
+    counter = fused_experts(x, w, ids, p, spec, combine="counter")
+    assert rel_err(out, counter) <= 4e-3  # the same sum, less the rounding of each slot to out's dtype
+    assert rel_err(out, experts_torch(x, w, ids, p, spec)) <= 1e-2
+    assert rel_err(out, reference(x, w, ids, spec, p, act_quant=scheme in ("fp8", "a8w4"))) <= 1e-2
+
+
+def test_combine_mode_by_pair_count(seed, monkeypatch):
+    # the default picks the separate combine from SEPARATE_MIN_PAIRS pairs up; the symm push never
+    from atom_moe.breakdown import record_launches
+    from atom_moe.kernels import gemm2
+    spec, p = make_layer(160, 96, 4, 2, "bf16", device=DEVICE)
+    monkeypatch.setattr(gemm2, "SEPARATE_MIN_PAIRS", 16)
+    for T, last in ((7, "_gemm2_kernel"), (8, "_combine_kernel")):
+        w, ids = make_routing(T, 4, 2, device=DEVICE)
+        x = torch.randn(T, 160, device=DEVICE).to(torch.bfloat16)
+        launches = record_launches(lambda: fused_experts(x, w, ids, p, spec))
+        assert launches[-1].name == last
+    with pytest.raises(ValueError, match="combine must be"):
+        fused_experts(x, w, ids, p, spec, combine="atomic")
 
 
 def test_workspace_reuse_and_limits(seed):

@@ -42,14 +42,15 @@ def test_real_shapes(seed, scheme, shape):
             assert rel_err(got, reference(x, w, ids, spec, p, act_quant=False)) <= 5e-2
 
 
-def test_deterministic_combine(seed):
+@pytest.mark.parametrize("combine", ["counter", "separate"])
+def test_deterministic_combine(seed, combine):
     allocate_workspace, fused_experts = _fused()
     spec, p = make_layer(2048, 512, 16, 8, "bf16", device="cuda")
     w, ids = make_routing(200, 16, 8, device="cuda")
     x = torch.randn(200, 2048, device="cuda").to(torch.bfloat16)
-    first = fused_experts(x, w, ids, p, spec)
+    first = fused_experts(x, w, ids, p, spec, combine=combine)
     for _ in range(20):
-        assert torch.equal(fused_experts(x, w, ids, p, spec), first)
+        assert torch.equal(fused_experts(x, w, ids, p, spec, combine=combine), first)
 
 
 @pytest.mark.parametrize("scheme", ["bf16", "fp8"])
@@ -152,7 +153,8 @@ def test_int64_offsets_mxfp4(seed, scheme):
     assert rel_err(got, experts_torch(x, w, ids, p, spec)) <= 1e-2
 
 
-def test_int64_partial_rows(seed):
+@pytest.mark.parametrize("combine", ["counter", "separate"])
+def test_int64_partial_rows(seed, combine):
     # GEMM2's fp32 partial buffer [T*k, H] holds > 2**31 bytes: the last tokens' rows start past
     # 2**31 bytes (ep/buffers.py lets it pass the int32 check on the strength of this test)
     from atom_moe.experts_torch import experts_torch
@@ -163,8 +165,47 @@ def test_int64_partial_rows(seed):
     assert ws.partial.numel() * ws.partial.element_size() > 2**31
     w, ids = make_routing(T, E, k, device="cuda")
     x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
-    got = fused_experts(x, w, ids, p, spec, workspace=ws)
+    got = fused_experts(x, w, ids, p, spec, workspace=ws, combine=combine)
     tail = slice(T - 300, T)  # the rows past 2**31 bytes, checked element by element like the rest
     want = experts_torch(x, w, ids, p, spec)
     assert rel_err(got, want) <= 1e-2
     assert rel_err(got[tail], want[tail]) <= 1e-2
+
+
+@pytest.mark.parametrize("scheme", ALL)
+def test_large_t_launches_graph_replay_and_no_sync(seed, scheme):
+    # T*k above both thresholds: the split routing sort (2 launches) and the separate combine,
+    # captured once and replayed with new routing (incl. every token on one expert), no host sync
+    from atom_moe.breakdown import record_launches
+    from atom_moe.experts_torch import experts_torch
+    from atom_moe.kernels import gemm2, routing
+    allocate_workspace, fused_experts = _fused()
+    H, I, E, k, T = 1024, 384, 16, 8, 1100
+    assert T * k > max(routing.SPLIT_PAIRS, gemm2.SEPARATE_MIN_PAIRS)
+    spec, p = make_layer(H, I, E, k, scheme, device="cuda")
+    ws = allocate_workspace(spec, T, "cuda")
+    w, ids = make_routing(T, E, k, device="cuda")
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    out = torch.empty(T, H, device="cuda", dtype=torch.bfloat16)
+    launches = record_launches(lambda: fused_experts(x, w, ids, p, spec, workspace=ws, out=out))
+    assert [launch.name for launch in launches] == ["_routing_kernel", "_routing_kernel", "_gemm1_kernel",
+                                                    "_gemm2_kernel", "_combine_kernel"]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fused_experts(x, w, ids, p, spec, workspace=ws, out=out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_experts(x, w, ids, p, spec, workspace=ws, out=out)
+    for mode in ("random", "one_expert", "sentinels"):
+        nw, nids = make_routing(T, E, k, mode=mode, device="cuda")
+        w.copy_(nw)
+        ids.copy_(nids)
+        x.copy_(torch.randn(T, H, device="cuda"))
+        out.fill_(float("nan"))
+        graph.replay()
+        assert rel_err(out, experts_torch(x, w, ids, p, spec)) <= 1e-2, mode
+        counter = fused_experts(x, w, ids, p, spec, combine="counter")
+        assert rel_err(out, counter) <= 4e-3, mode
