@@ -347,11 +347,12 @@ def plot(rows: list[dict], ceil: dict[str, float], path: Path) -> None:
         ax.plot(xs, [min(ceil[key], x * ceil["read_tbps"]) for x in xs], "k" + style, lw=1,
                 label=f"roof {key.split('_')[0]} ({ceil[key]:.0f} TFLOP/s, {ceil['read_tbps']:.2f} TB/s)")
     markers = {"bf16": "o", "fp8": "s", "a16w4": "^", "a8w4": "D"}
-    for impl, color in (("atom_moe", "tab:blue"), ("grouped_mm", "tab:orange")):
+    impls = ["atom_moe"] + sorted({r["impl"] for r in rows} - {"atom_moe"})
+    for impl, color in zip(impls, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")):
         for scheme in markers:
             sel = [r for r in rows if r["impl"] == impl and r["scheme"] == scheme]
             if sel:
-                ax.scatter([r["flops"] / r["bytes"] for r in sel], [r["tflops"] for r in sel], c=color,
+                ax.scatter([float(r["flops"]) / float(r["bytes"]) for r in sel], [float(r["tflops"]) for r in sel], c=color,
                            marker=markers[scheme], s=18, label=f"{impl} {scheme}", alpha=0.8)
     ax.set_xscale("log")
     ax.set_yscale("log")

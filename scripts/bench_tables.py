@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""Markdown tables from `atom-moe bench` CSVs: fraction of floor per shape and T against the issue targets.
+
+    python scripts/bench_tables.py docs/perf/kernels-h200.csv [more.csv ...] > tables.md
+    python scripts/bench_tables.py run/*.csv --plot roofline.png --ceilings 4.54 793 1472 > tables.md
+
+One table per scheme (atom_moe rows; other impls of the same scheme in parentheses, e.g.
+grouped_mm for bf16, triton_kernels for a16w4), then one row per (shape, scheme, T) with us, floor, TB/s and config.
+A cell below its target is marked with a cross.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from collections import defaultdict
+from pathlib import Path
+
+TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
+# (T = 1, T = 8..512, T = 2048, T = 8192) per scheme, from the kernels and MXFP4 issues
+TARGETS = {"bf16": (0.85, 0.92, 0.85, 0.70), "fp8": (0.80, 0.88, 0.75, 0.55),
+           "a16w4": (0.70, 0.80, 0.70, 0.65), "a8w4": (0.70, 0.80, 0.70, 0.50)}
+
+
+def target(scheme: str, tokens: int) -> float:
+    """The target fraction of the floor for (scheme, T)."""
+    t1, mid, t2048, t8192 = TARGETS[scheme]
+    return t1 if tokens == 1 else t2048 if tokens == 2048 else t8192 if tokens == 8192 else mid
+
+
+def read(paths: list[Path]) -> list[dict]:
+    """All rows of the CSVs, later files overriding earlier ones for the same (shape, scheme, T, impl)."""
+    rows: dict[tuple, dict] = {}
+    for path in paths:
+        with open(path, newline="") as fh:
+            for r in csv.DictReader(fh):
+                rows[(r["shape"], r["scheme"], int(r["T"]), r["impl"])] = r
+    return list(rows.values())
+
+
+def fraction_tables(rows: list[dict]) -> str:
+    """Per scheme: shape x T fraction of floor, other impls in parentheses, the target row last."""
+    by = {(r["shape"], r["scheme"], int(r["T"]), r["impl"]): float(r["frac_of_floor"]) for r in rows}
+    out = []
+    for scheme in TARGETS:
+        shapes = sorted({s for s, sc, _, i in by if sc == scheme and i == "atom_moe"})
+        if not shapes:
+            continue
+        others = sorted({i for _, sc, _, i in by if i != "atom_moe" and sc == scheme})
+        head = f"### {scheme}: fraction of floor (atom_moe" + (f"; {', '.join(others)} in parentheses" if others else "")
+        out += [head + ")", "", "| shape | " + " | ".join(f"T={t}" for t in TOKENS) + " |",
+                "|---|" + "---|" * len(TOKENS)]
+        for shape in shapes:
+            cells = []
+            for t in TOKENS:
+                f = by.get((shape, scheme, t, "atom_moe"))
+                if f is None:
+                    cells.append("n/a")
+                    continue
+                cell = f"{f:.2f}" + (" ✗" if f < target(scheme, t) else "")
+                extra = [f"{by[(shape, scheme, t, i)]:.2f}" for i in others if (shape, scheme, t, i) in by]
+                cells.append(cell + (f" ({', '.join(extra)})" if extra else ""))
+            out.append(f"| {shape} | " + " | ".join(cells) + " |")
+        out += ["| target | " + " | ".join(f"{target(scheme, t):.2f}" for t in TOKENS) + " |", ""]
+    return "\n".join(out)
+
+
+def detail_table(rows: list[dict]) -> str:
+    """One line per atom_moe row: us, floor, fraction, TB/s, TFLOP/s, config."""
+    groups = defaultdict(list)
+    for r in rows:
+        if r["impl"] == "atom_moe":
+            groups[(r["shape"], r["scheme"])].append(r)
+    lines = ["| shape | scheme | T | us | floor us | frac | TB/s | TFLOP/s | config |", "|---|---|---|---|---|---|---|---|---|"]
+    for key in sorted(groups):
+        for r in sorted(groups[key], key=lambda r: int(r["T"])):
+            lines.append(f"| {r['shape']} | {r['scheme']} | {r['T']} | {r['us']} | {r['floor_us']} | "
+                         f"{r['frac_of_floor']} | {r['tbps']} | {r['tflops']} | {r['config']} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """Print both tables for the CSVs on the command line."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("csv", nargs="+", type=Path)
+    parser.add_argument("--plot", type=Path, help="also draw the roofline PNG (atom_moe.bench.plot)")
+    parser.add_argument("--ceilings", nargs=3, type=float, metavar=("READ_TBPS", "BF16_TFLOPS", "FP8_TFLOPS"),
+                        help="the ceilings the bench measured in the same run (needed with --plot)")
+    args = parser.parse_args()
+    if args.plot and not args.ceilings:
+        parser.error("--plot needs --ceilings READ_TBPS BF16_TFLOPS FP8_TFLOPS (printed by the bench run)")
+    rows = read(args.csv)
+    if args.plot:
+        from atom_moe.bench import plot
+        plot(rows, dict(zip(("read_tbps", "bf16_tflops", "fp8_tflops"), args.ceilings)), args.plot)
+    print(fraction_tables(rows))
+    print("### Time (us) and achieved TB/s, atom_moe\n")
+    print(detail_table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""The perf helper scripts on the CPU: bench_tables' target marks, tk_baseline's argument and import errors."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import bench_tables  # noqa: E402
+
+COLUMNS = ("device", "shape", "scheme", "T", "routing", "impl", "us", "floor_us", "frac_of_floor", "tbps",
+           "tflops", "bytes", "flops", "config", "note")
+
+
+def _write(path: Path, rows: list[dict]) -> None:
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=COLUMNS)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({c: r.get(c, "") for c in COLUMNS})
+
+
+def _row(scheme: str, T: int, frac: float, impl: str = "atom_moe") -> dict:
+    return dict(device="d", shape="s", scheme=scheme, T=T, impl=impl, us=10.0, floor_us=10.0 * frac,
+                frac_of_floor=frac, tbps=1, tflops=1, bytes=100, flops=1000, config="cfg")
+
+
+def test_fraction_table_marks_misses_and_shows_baselines(tmp_path):
+    # a cell just below its target gets the cross, one at the target does not; a later CSV
+    # overrides an earlier row; the baseline of the same scheme appears in parentheses
+    first, second = tmp_path / "a.csv", tmp_path / "b.csv"
+    _write(first, [_row("bf16", 1, 0.10), _row("fp8", 2048, 0.30)])
+    _write(second, [_row("bf16", 1, 0.85), _row("bf16", 8192, 0.69), _row("bf16", 1, 0.40, impl="grouped_mm"),
+                    _row("fp8", 2048, 0.7499)])
+    text = bench_tables.fraction_tables(bench_tables.read([first, second]))
+    bf16 = next(line for line in text.splitlines() if line.startswith("| s |") and "(0.40)" in line)
+    cells = [c.strip() for c in bf16.strip("|").split("|")]
+    assert cells[1] == "0.85 (0.40)" and cells[7] == "0.69 ✗" and cells[2] == "n/a"
+    assert "0.75 ✗" in text and "grouped_mm in parentheses" in text
+    detail = bench_tables.detail_table(bench_tables.read([second]))
+    assert detail.count("| s |") == 3  # atom_moe rows only
+
+
+def test_tk_baseline_errors_are_clear():
+    script = str(ROOT / "scripts" / "tk_baseline.py")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert proc.returncode == 0 and "--diagnose" in proc.stdout
+    proc = subprocess.run([sys.executable, script, "--tokens", "0"], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert proc.returncode == 2 and "--tokens" in proc.stderr
+    proc = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert proc.returncode == 2 and "PYTHONPATH=.cache/tk/python" in proc.stderr
