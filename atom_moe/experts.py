@@ -3,7 +3,7 @@
 Schemes: bf16, fp8 (e4m3 weights, 128x128 block scales), a16w4 (MXFP4 weights, bf16
 activations) and a8w4 (MXFP4 weights, e4m3 activations per token-group-128, fp8 dots).
 
-Three Triton launches per call at small T; large T adds a separate combine
+Three Triton launches per call at small T; larger T adds a separate combine
 (kernels/gemm2.py) and a second routing-sort launch (kernels/routing.py). No host sync,
 every buffer in a `Workspace` that the caller may allocate once (`allocate_workspace`) and
 pass in, so the forward is CUDA-graph capturable and the caller sees every allocation.

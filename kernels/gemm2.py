@@ -37,9 +37,10 @@ from .common import QGROUP, cast, dot, interpreting, tile_ids
 from .mxfp4 import tile_bf16, tile_bf16_nk, tile_e4m3, tile_e4m3_nk
 
 GROUP = 128  # host-side twin of common.QGROUP
-# Pair count from which fused_experts combines in a separate launch (measured on an H200:
-# docs/perf/kernels-breakdown-h200.md, "GEMM2 combine").
-SEPARATE_MIN_PAIRS = 4096
+# Pair count from which fused_experts combines in a separate launch: on an H200 the separate
+# combine won at every point measured, down to 256 pairs (docs/perf/kernels-breakdown-h200.md);
+# below that it is unmeasured, and T = 1 must stay at three launches.
+SEPARATE_MIN_PAIRS = 256
 
 
 @dataclass(frozen=True)
