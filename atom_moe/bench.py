@@ -129,6 +129,18 @@ def measure_ceilings(timer: Timer) -> dict[str, float]:
     return {"read_tbps": read_tbps, "bf16_tflops": bf16_tflops, "fp8_tflops": fp8_tflops}
 
 
+CEILING_KEYS = ("read_tbps", "bf16_tflops", "fp8_tflops")
+
+
+def ceilings(timer: Timer, given: list[float] | None) -> dict[str, float]:
+    """The given (READ_TBPS, BF16_TFLOPS, FP8_TFLOPS) as a ceilings dict, else measured now."""
+    if given:
+        return dict(zip(CEILING_KEYS, given))
+    measured = measure_ceilings(timer)
+    torch.cuda.empty_cache()
+    return measured
+
+
 # ---------------------------------------------------------------- problem setup
 def random_weights(spec, device: str = "cuda"):
     """PreparedWeights with random values in the kernels' formats (built per expert: no fp32 copy)."""

@@ -287,11 +287,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
         return f"[{time.monotonic() - t0:6.1f} s]"
 
     timer = bench.Timer(args.iters)
-    if args.ceilings:
-        ceil = dict(zip(("read_tbps", "bf16_tflops", "fp8_tflops"), args.ceilings))
-    else:
-        ceil = bench.measure_ceilings(timer)
-        torch.cuda.empty_cache()
+    ceil = bench.ceilings(timer, args.ceilings)
     dev = device_name(torch.device("cuda"))
     props = torch.cuda.get_device_properties(0)
     sms = props.multi_processor_count

@@ -91,8 +91,8 @@ def main() -> None:
         parser.error("--plot needs --ceilings READ_TBPS BF16_TFLOPS FP8_TFLOPS (printed by the bench run)")
     rows = read(args.csv)
     if args.plot:
-        from atom_moe.bench import plot
-        plot(rows, dict(zip(("read_tbps", "bf16_tflops", "fp8_tflops"), args.ceilings)), args.plot)
+        from atom_moe.bench import CEILING_KEYS, plot
+        plot(rows, dict(zip(CEILING_KEYS, args.ceilings)), args.plot)
     print(fraction_tables(rows))
     print("### Time (us) and achieved TB/s, atom_moe\n")
     print(detail_table(rows))

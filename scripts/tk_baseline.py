@@ -457,11 +457,7 @@ def main(argv: list[str] | None = None) -> None:
     from atom_moe.kernels.tuning import lookup
     seen_flags = record_opt_flags(tk_matmul)
     timer = bench.Timer(args.iters)
-    if args.ceilings:
-        ceil = dict(zip(("read_tbps", "bf16_tflops", "fp8_tflops"), args.ceilings))
-    else:
-        ceil = bench.measure_ceilings(timer)
-        torch.cuda.empty_cache()
+    ceil = bench.ceilings(timer, args.ceilings)
     dev = device_name(torch.device("cuda"))
     print(f"device {dev}: HBM read {ceil['read_tbps']:.2f} TB/s, bf16 {ceil['bf16_tflops']:.0f} TFLOP/s, "
           f"fp8 {ceil['fp8_tflops']:.0f} TFLOP/s{' (given)' if args.ceilings else ''}", flush=True)
