@@ -35,11 +35,11 @@ import triton.language as tl
 
 from .common import FP8_MAX, cast, interpreting
 
-# Pairs above which the sort runs as two launches. Program 0 costs 5-8 us per 1024 pairs; the
-# split path adds a launch (its gap, plus each program summing chunk_counts: a few us), so on
-# paper it wins from ~2 chunks. 4096 is conservative until measured: it keeps decode-size
-# calls (T <= 512 at top-8, the CUDA-graph batch sizes, where a launch gap matters most) and
-# T = 1 (three launches in all) on the one-launch path. Symm receive rows (SENT) are sized by
+# Pairs above which the sort runs as two launches. Program 0 costs 5-8 us per 1024 pairs; on
+# an H200 the split took DeepSeek-V3's routing from 122 to 43 us at 16k pairs and from 406 to
+# 94 us at 64k (docs/perf/kernels-breakdown-h200.md). At or below 4096 it was not measured
+# against the split; the threshold keeps decode-size calls (T <= 512 at top-8) and T = 1
+# (three launches in all) on the one-launch path. Symm receive rows (SENT) are sized by
 # capacity W*C*k, not by the tokens that arrived, so they split above it even when few rows
 # came (chunks of unsent rows read no ids; program 0 would read only the sent rows).
 # Read at call time: tests lower it.
