@@ -17,6 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 
 TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
+REQUIRED = ("shape", "scheme", "T", "impl", "us", "floor_us", "frac_of_floor", "tbps", "tflops", "config")
 # (T = 1, T = 8..512, T = 2048, T = 8192) per scheme, from the kernels and MXFP4 issues
 TARGETS = {"bf16": (0.85, 0.92, 0.85, 0.70), "fp8": (0.80, 0.88, 0.75, 0.55),
            "a16w4": (0.70, 0.80, 0.70, 0.65), "a8w4": (0.70, 0.80, 0.70, 0.50)}
@@ -33,7 +34,12 @@ def read(paths: list[Path]) -> list[dict]:
     rows: dict[tuple, dict] = {}
     for path in paths:
         with open(path, newline="") as fh:
-            for r in csv.DictReader(fh):
+            reader = csv.DictReader(fh)
+            missing = set(REQUIRED) - set(reader.fieldnames or ())
+            if missing:
+                raise SystemExit(f"{path}: not an atom-moe bench CSV, missing columns {sorted(missing)} "
+                                 f"(needs {', '.join(REQUIRED)})")
+            for r in reader:
                 rows[(r["shape"], r["scheme"], int(r["T"]), r["impl"])] = r
     return list(rows.values())
 

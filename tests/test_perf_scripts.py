@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
@@ -44,6 +46,10 @@ def test_fraction_table_marks_misses_and_shows_baselines(tmp_path):
     assert "0.75 ✗" in text and "grouped_mm in parentheses" in text
     detail = bench_tables.detail_table(bench_tables.read([second]))
     assert detail.count("| s |") == 3  # atom_moe rows only
+    bad = tmp_path / "bad.csv"
+    bad.write_text("shape,us\ns,1\n")
+    with pytest.raises(SystemExit, match="missing columns"):
+        bench_tables.read([bad])
 
 
 def test_tk_baseline_errors_are_clear():
