@@ -170,20 +170,19 @@ def random_weights(spec, device: str = "cuda"):
 
 
 def _random_mxfp4_weights(spec, device: str):
-    """Random e2m1 bytes with e8m0 scales near 2^-8 (rows of unit-ish gain at these sizes)."""
-    from .layout import GateUpKind, GateUpLayout, GateUpTensor
-    from .weights import PreparedWeights
+    """Random e2m1 bytes with e8m0 scales near 2^-8 (rows of unit-ish gain at these sizes), as MX tiles.
+
+    Drawn and tiled one expert at a time (weights.prepare_mxfp4_local): no plain copy of the layer.
+    """
+    from .weights import prepare_mxfp4_local
     H, I, E = spec.hidden_size, spec.intermediate_size, spec.num_local_experts
     u8 = dict(dtype=torch.uint8, device=device)
-    w13 = torch.randint(0, 256, (E, 2 * I, H // 2), **u8)
-    w2 = torch.randint(0, 256, (E, H, I // 2), **u8)
-    s13 = torch.randint(116, 122, (E, 2 * I, H // 32), **u8)
-    s2 = torch.randint(116, 122, (E, H, I // 32), **u8)
-    emap = torch.full((spec.num_experts,), -1, dtype=torch.int32)
-    emap[list(spec.local_experts)] = torch.arange(E, dtype=torch.int32)
-    return PreparedWeights(spec.scheme, H, I, spec.num_experts, spec.local_experts, E, emap.to(device),
-                           GateUpTensor(w13, GateUpLayout.INTERLEAVED),
-                           GateUpTensor(s13, GateUpLayout.INTERLEAVED, GateUpKind.ROWS), w2, s2)
+
+    def experts():  # random bytes are valid in any gate/up layout: they are taken as INTERLEAVED rows
+        for _ in range(E):
+            yield (torch.randint(0, 256, (2 * I, H // 2), **u8), torch.randint(116, 122, (2 * I, H // 32), **u8),
+                   torch.randint(0, 256, (H, I // 2), **u8), torch.randint(116, 122, (H, I // 32), **u8))
+    return prepare_mxfp4_local(spec, experts(), device=device)
 
 
 def make_routing(T: int, E: int, k: int, mode: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -205,7 +205,7 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
                 ws.sorted_ids, ws.block_expert, n_blocks, k, ws.inter, ws.inter_scale,
                 oai=act.kind.value == "swiglu_oai", alpha=act.alpha, limit=act.limit,
                 block_m=cfg.block_m, block_n=cfg.block_n1, block_k=cfg.block_k1,
-                num_warps=cfg.warps1, num_stages=cfg.stages1, group_m=cfg.group_m)
+                num_warps=cfg.warps1, num_stages=cfg.stages1, group_m=cfg.group_m, mx_big=weights.mx_scale_max > 128)
     separate = remote is None and (combine == "separate" or (combine is None and T * k >= gemm2.SEPARATE_MIN_PAIRS))
     partial = gemm2.separate_partial(ws.partial, out) if separate else ws.partial
     gemm2.gemm2(ws.inter, ws.inter_scale, weights.w2, weights.w2_scale, weights.w2_bias,
@@ -213,6 +213,7 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
                 partial, ws.counters, ws.n_counters, out if out is not None else ws.partial,
                 block_m=cfg.block_m, block_n=cfg.block_n2, block_k=cfg.block_k2,
                 num_warps=cfg.warps2, num_stages=cfg.stages2, group_m=cfg.group_m, remote=remote,
+                hidden=weights.hidden_size, mx_big=weights.mx_scale_max > 128,
                 separate=separate)
     if separate:
         gemm2.combine(partial, topk_ids, weights.expert_map, out)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import formats
+from . import formats, mx_tiles
 from .layout import GateUpLayout, require
 from .reference import apply_activation, quant_dequant_activations
 from .spec import FP8_BLOCK, MoESpec, Scheme
@@ -22,6 +22,10 @@ from .weights import PreparedWeights
 def dequantize_w13(weights: PreparedWeights, local: int) -> torch.Tensor:
     """fp32 [2I, H] INTERLEAVED rows of one local expert."""
     w13 = require(weights.w13, GateUpLayout.INTERLEAVED, "w13")[local]
+    if weights.scheme.is_mxfp4:  # MX tiles: untile this expert only (rows come back INTERLEAVED)
+        scale = require(weights.w13_scale, GateUpLayout.INTERLEAVED, "w13_scale")[local]
+        return formats.dequantize_mxfp4(*mx_tiles.untile(w13, scale, 2 * weights.intermediate_size,
+                                                         weights.hidden_size))
     if weights.scheme is Scheme.BF16:
         return w13.float()
     scale = require(weights.w13_scale, GateUpLayout.INTERLEAVED, "w13_scale")[local]
@@ -31,7 +35,7 @@ def dequantize_w13(weights: PreparedWeights, local: int) -> torch.Tensor:
         rows = torch.arange(w13.shape[0], device=w13.device)
         per_row = scale[rows // 2 // FP8_BLOCK, rows % 2]  # [2I, kb]
         return w13.float() * per_row.repeat_interleave(FP8_BLOCK, dim=1)[:, : w13.shape[1]]
-    return formats.dequantize_mxfp4(w13, scale)
+    raise AssertionError(f"unreachable: scheme {weights.scheme}")
 
 
 def dequantize_w2(weights: PreparedWeights, local: int) -> torch.Tensor:
@@ -40,7 +44,8 @@ def dequantize_w2(weights: PreparedWeights, local: int) -> torch.Tensor:
         return weights.w2[local].float()
     if weights.scheme is Scheme.FP8:
         return formats.dequantize_fp8_block(weights.w2[local], weights.w2_scale[local], FP8_BLOCK)
-    return formats.dequantize_mxfp4(weights.w2[local], weights.w2_scale[local])
+    return formats.dequantize_mxfp4(*mx_tiles.untile(weights.w2[local], weights.w2_scale[local],
+                                                     weights.hidden_size, weights.intermediate_size))
 
 
 def local_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,11 @@ SEPARATED [E, 2*nb, kb] (all gate blocks, then all up blocks, nb = ceil(I/128)) 
 INTERLEAVED [E, nb, 2, kb] (gate block j, up block j, ...), so output pair j of the
 interleaved weight reads scale [e, j // 128, 0 or 1, kb] even when I % 128 != 0.
 
+MX_TILES (atom_moe.mx_tiles) holds MXFP4 values or scales repacked into the kernels' tiles
+[E, N/16, K/64, 512 or 32]; the rows of w13 are tiled in INTERLEAVED order, so the tag is
+INTERLEAVED. Rows are no longer a dimension there: interleave, separate and split_gate_up
+refuse it (untile first with atom_moe.weights.plain_mxfp4).
+
 A kernel never accepts a raw tensor: it accepts a GateUpTensor and calls
 `require(t, INTERLEAVED)`. Mispairing gate and up rows does not crash, it silently
 collapses accuracy (gsm8k 0.95 -> 0.017), so the tag is checked, never assumed.
@@ -34,6 +39,7 @@ class GateUpLayout(str, enum.Enum):
 class GateUpKind(str, enum.Enum):
     ROWS = "rows"  # one row per output feature: weights, MXFP4 scales, biases
     BLOCK_SCALE = "block_scale"  # fp8 128x128 block scales
+    MX_TILES = "mx_tiles"  # MXFP4 values / e8m0 scales in atom_moe.mx_tiles' layout [E, N/16, K/64, bytes]
 
 
 @dataclass(frozen=True)
@@ -49,12 +55,22 @@ class GateUpTensor:
             raise LayoutError(f"GateUpTensor.data must be a torch.Tensor, got {type(self.data).__name__}")
         object.__setattr__(self, "layout", GateUpLayout(self.layout))
         object.__setattr__(self, "kind", GateUpKind(self.kind))
+        if self.kind is GateUpKind.MX_TILES:  # dim -3 counts 16-row blocks: no row-pair check possible
+            if self.data.dim() < 3:
+                raise LayoutError(f"MX tiles are [..., N/16, K/64, bytes], got shape {tuple(self.data.shape)}")
+            return
         rows_dim = _rows_dim(self)
         if self.layout is GateUpLayout.SEPARATED or self.kind is GateUpKind.ROWS:
             if self.data.shape[rows_dim] % 2:
                 raise LayoutError(f"gate/up tensor needs an even row count, got shape {tuple(self.data.shape)}")
         elif self.data.shape[-2] != 2:
             raise LayoutError(f"interleaved block scales must be [E, nb, 2, kb], got {tuple(self.data.shape)}")
+
+
+def _refuse_tiles(t: GateUpTensor, op: str) -> None:
+    if t.kind is GateUpKind.MX_TILES:
+        raise LayoutError(f"{op} cannot reorder rows of MX tiles (gate/up rows are packed inside 16-row "
+                          f"blocks); untile first with atom_moe.weights.plain_mxfp4")
 
 
 def _rows_dim(t: GateUpTensor) -> int:
@@ -66,6 +82,7 @@ def _rows_dim(t: GateUpTensor) -> int:
 
 def interleave(t: GateUpTensor) -> GateUpTensor:
     """SEPARATED -> INTERLEAVED (returns a new contiguous tensor)."""
+    _refuse_tiles(t, "interleave")
     if t.layout is GateUpLayout.INTERLEAVED:
         return t
     if t.kind is GateUpKind.BLOCK_SCALE:  # [E, 2nb, kb] -> [E, nb, 2, kb]
@@ -83,6 +100,7 @@ def interleave(t: GateUpTensor) -> GateUpTensor:
 
 def separate(t: GateUpTensor) -> GateUpTensor:
     """INTERLEAVED -> SEPARATED (the inverse of interleave)."""
+    _refuse_tiles(t, "separate")
     if t.layout is GateUpLayout.SEPARATED:
         return t
     d = t.data
@@ -115,6 +133,7 @@ def require(t: object, layout: GateUpLayout, what: str = "w13") -> torch.Tensor:
 
 def split_gate_up(t: GateUpTensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(gate rows, up rows) views of a row-kind tensor in either layout."""
+    _refuse_tiles(t, "split_gate_up")
     if t.kind is not GateUpKind.ROWS:
         raise LayoutError("split_gate_up works on row tensors (weights, MX scales, biases)")
     d = t.data

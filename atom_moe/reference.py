@@ -14,7 +14,7 @@ import torch
 from . import formats
 from .layout import separate
 from .spec import FP8_BLOCK, Activation, ActivationKind, Scheme
-from .weights import PreparedWeights
+from .weights import PreparedWeights, plain_mxfp4
 
 
 @dataclass
@@ -45,19 +45,21 @@ class ReferenceWeights:
     @staticmethod
     def from_prepared(p: PreparedWeights) -> "ReferenceWeights":
         """Dequantize prepared weights back to fp32 checkpoint form (local experts only)."""
-        w13 = separate(p.w13).data
-        if p.scheme is Scheme.BF16:
+        if p.scheme.is_mxfp4:  # MX tiles -> plain MXFP4 first (rows of w13 come back INTERLEAVED)
+            q13, s13, q2, s2 = plain_mxfp4(p)
+            full13 = formats.dequantize_mxfp4(separate(q13).data, separate(s13).data)
+            full2 = formats.dequantize_mxfp4(q2, s2)
+            del q13, s13, q2, s2
+        elif p.scheme is Scheme.BF16:
+            w13 = separate(p.w13).data
             full13, full2 = w13.float(), p.w2.float()
-        elif p.scheme is Scheme.FP8:
+        else:  # fp8
+            w13 = separate(p.w13).data
             s13 = separate(p.w13_scale).data
             I, nb = p.intermediate_size, s13.shape[1] // 2
             full13 = torch.cat((formats.dequantize_fp8_block(w13[:, :I], s13[:, :nb]),
                                 formats.dequantize_fp8_block(w13[:, I:], s13[:, nb:])), dim=1)
             full2 = formats.dequantize_fp8_block(p.w2, p.w2_scale)
-        else:
-            s13 = separate(p.w13_scale).data
-            full13 = formats.dequantize_mxfp4(w13, s13)
-            full2 = formats.dequantize_mxfp4(p.w2, p.w2_scale)
         b13 = None if p.w13_bias is None else separate(p.w13_bias).data
         return ReferenceWeights.from_separated(full13, full2, b13, p.w2_bias, p.local_experts)
 

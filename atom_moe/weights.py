@@ -6,7 +6,14 @@ Prepared weight formats by scheme (E_l = local experts, tags from atom_moe.layou
 |-------------|-----------------------------|-------------------------------------|--------------------|------------------------|
 | bf16        | bf16 [E_l, 2I, H]           | None                                | bf16 [E_l, H, I]   | None                   |
 | fp8         | e4m3 [E_l, 2I, H]           | fp32 [E_l, ceil(I/128), 2, ceil(H/128)] (BLOCK_SCALE) | e4m3 [E_l, H, I] | fp32 [E_l, ceil(H/128), ceil(I/128)] |
-| a16w4/a8w4  | uint8 e2m1x2 [E_l, 2I, H/2] | uint8 e8m0 [E_l, 2I, H/32] (ROWS)   | uint8 [E_l, H, I/2]| uint8 [E_l, H, I/32]   |
+| a16w4/a8w4  | uint8 MX tiles [E_l, ceil(2I/16), ceil(H/64), 512] (MX_TILES) | uint8 [E_l, ceil(2I/16), ceil(H/64), 32] (MX_TILES) | uint8 [E_l, ceil(H/16), ceil(I/64), 512] | uint8 [E_l, ceil(H/16), ceil(I/64), 32] |
+
+MXFP4 weights are stored only as MX tiles (atom_moe.mx_tiles: e2m1 codes and e8m0 scales
+repacked for the kernels' mma fragments, N padded to 16 and K to 64 with zero codes and
+scale byte 0). w13's rows are tiled in INTERLEAVED order [g0, u0, g1, u1, ...].
+`plain_mxfp4` untiles them back to checkpoint MXFP4 (uint8 e2m1x2 [E_l, 2I, H/2] INTERLEAVED,
+e8m0 [E_l, 2I, H/32], [E_l, H, I/2], [E_l, H, I/32]) for oracles and baselines; the plain
+copy is never kept. `mx_scale_max` records the largest e8m0 byte of both (0 for bf16/fp8).
 
 Biases (optional): w13_bias fp32 [E_l, 2I] INTERLEAVED, w2_bias fp32 [E_l, H].
 
@@ -17,12 +24,13 @@ are popped, so the originals can be freed once the caller drops them.
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping, Sequence
+import math
+from collections.abc import Iterable, MutableMapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from . import formats
+from . import formats, mx_tiles
 from .layout import GateUpKind, GateUpLayout, GateUpTensor, interleave, require
 from .spec import FP8_BLOCK, MX_BLOCK, MoESpec, Scheme
 
@@ -48,6 +56,9 @@ class PreparedWeights:
     w2_scale: torch.Tensor | None
     w13_bias: GateUpTensor | None = None
     w2_bias: torch.Tensor | None = None
+    # MXFP4: the largest e8m0 byte over w13_scale and w2_scale (the kernels pick their scale
+    # decode by it: bytes > 128 need the general path). 0 for bf16/fp8.
+    mx_scale_max: int = 0
 
     def __post_init__(self) -> None:
         # A separated w13 must never reach a kernel: refuse it at construction already.
@@ -55,6 +66,12 @@ class PreparedWeights:
             t = getattr(self, name)
             if t is not None or name == "w13":
                 require(t, GateUpLayout.INTERLEAVED, name)
+        self.mx_scale_max = int(self.mx_scale_max)
+        # MXFP4 weights built without it (by hand): measured here, once (one host sync), so a
+        # scale byte > 128 can never meet a kernel told the maximum is 0
+        if (Scheme(self.scheme).is_mxfp4 and self.mx_scale_max == 0 and self.w13_scale is not None
+                and self.w2_scale is not None):
+            self.mx_scale_max = _scale_max(self.w13_scale.data, self.w2_scale)
 
     def check(self, spec: MoESpec) -> None:
         """Raise WeightError/LayoutError unless these weights are what `spec` needs."""
@@ -75,6 +92,35 @@ class PreparedWeights:
         if spec.has_bias != (self.w2_bias is not None):
             raise WeightError(f"spec.has_bias={spec.has_bias} but the prepared weights "
                               f"{'have' if self.w2_bias is not None else 'lack'} biases")
+        self._check_tensors(spec)
+
+    def _check_tensors(self, spec: MoESpec) -> None:
+        """Every tensor's kind, dtype and shape as the module docstring's table gives them."""
+        want_kind = {Scheme.BF16: (GateUpKind.ROWS, None), Scheme.FP8: (GateUpKind.ROWS, GateUpKind.BLOCK_SCALE)}
+        kind13, kind13_scale = want_kind.get(spec.scheme, (GateUpKind.MX_TILES, GateUpKind.MX_TILES))
+        for name, t, kind in (("w13", self.w13, kind13), ("w13_scale", self.w13_scale, kind13_scale)):
+            if t is not None and kind is not None and t.kind is not kind:
+                hint = (" (plain MXFP4 is not a kernel format: build with atom_moe.weights.prepare_* or "
+                        "prepare_mxfp4_local, which tile it with atom_moe.mx_tiles)" if kind is GateUpKind.MX_TILES
+                        else "")
+                raise WeightError(f"{name} is kind {t.kind.value}, {spec.scheme.value} weights need "
+                                  f"{kind.value}{hint}")
+        have = {"expert_map": self.expert_map, "w13": self.w13.data, "w2": self.w2,
+                "w13_scale": None if self.w13_scale is None else self.w13_scale.data, "w2_scale": self.w2_scale,
+                "w13_bias": None if self.w13_bias is None else self.w13_bias.data, "w2_bias": self.w2_bias}
+        want = prepared_shapes(spec)
+        for name, t in have.items():
+            if name not in want:
+                if t is not None:
+                    raise WeightError(f"{name} is set, but {spec.scheme.value} weights take none")
+                continue
+            shape, dtype = want[name]
+            if t is None:
+                raise WeightError(f"{name} is missing: {spec.scheme.value} weights need {_fmt(shape, dtype)}")
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise WeightError(f"{name} is {_fmt(tuple(t.shape), t.dtype)}, {spec.scheme.value} weights need "
+                                  f"{_fmt(shape, dtype)} for H={spec.hidden_size}, I={spec.intermediate_size}, "
+                                  f"{spec.num_local_experts} local experts (module docstring of atom_moe.weights)")
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor these weights hold (for memory accounting)."""
@@ -89,20 +135,155 @@ class PreparedWeights:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
-def prepared_nbytes(spec: MoESpec) -> int:
-    """Bytes of one layer's PreparedWeights on this rank, from the spec alone (the table above)."""
+def _fmt(shape: tuple[int, ...], dtype: torch.dtype) -> str:
+    return f"{str(dtype).removeprefix('torch.')} [{', '.join(map(str, shape))}]"
+
+
+def _scale_max(*scales: torch.Tensor) -> int:
+    """Largest e8m0 byte over the given uint8 scale tensors (one host sync); 0 when all are empty."""
+    maxima = [s.max() for s in scales if s.numel()]
+    return int(torch.stack(maxima).max()) if maxima else 0
+
+
+def prepared_shapes(spec: MoESpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of each tensor of one layer's PreparedWeights on this rank (the table above).
+
+    Keys: expert_map, w13, w2, and where the scheme has them w13_scale, w2_scale, w13_bias, w2_bias.
+    """
     H, I, E, El = spec.hidden_size, spec.intermediate_size, spec.num_experts, spec.num_local_experts
-    total = 4 * E  # expert_map int32 [E]
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"expert_map": ((E,), torch.int32)}
     if spec.scheme is Scheme.BF16:
-        total += 2 * El * (2 * I * H + H * I)
+        out |= {"w13": ((El, 2 * I, H), torch.bfloat16), "w2": ((El, H, I), torch.bfloat16)}
     elif spec.scheme is Scheme.FP8:
         nb_i, nb_h = -(-I // FP8_BLOCK), -(-H // FP8_BLOCK)
-        total += El * (2 * I * H + H * I) + 4 * El * (nb_i * 2 * nb_h + nb_h * nb_i)
-    else:  # MXFP4: two e2m1 per byte, one e8m0 byte per 32 along K
-        total += El * (2 * I * H // 2 + H * I // 2) + El * (2 * I * H // MX_BLOCK + H * I // MX_BLOCK)
+        out |= {"w13": ((El, 2 * I, H), formats.FP8_DTYPE), "w13_scale": ((El, nb_i, 2, nb_h), torch.float32),
+                "w2": ((El, H, I), formats.FP8_DTYPE), "w2_scale": ((El, nb_h, nb_i), torch.float32)}
+    else:  # MXFP4 as MX tiles, padded to 16 rows x 64 k
+        (v13, s13), (v2, s2) = mx_tiles.tiled_shapes(2 * I, H), mx_tiles.tiled_shapes(H, I)
+        out |= {"w13": ((El, *v13), torch.uint8), "w13_scale": ((El, *s13), torch.uint8),
+                "w2": ((El, *v2), torch.uint8), "w2_scale": ((El, *s2), torch.uint8)}
     if spec.has_bias:
-        total += 4 * El * (2 * I + H)
-    return total
+        out |= {"w13_bias": ((El, 2 * I), torch.float32), "w2_bias": ((El, H), torch.float32)}
+    return out
+
+
+def prepared_nbytes(spec: MoESpec) -> int:
+    """Bytes of one layer's PreparedWeights on this rank, from the spec alone (the table above).
+
+    MXFP4 counts the stored MX tiles, padding included (N to 16, K to 64).
+    """
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in prepared_shapes(spec).values())
+
+
+def plain_mxfp4(p: PreparedWeights, experts: slice | Sequence[int] | torch.Tensor | None = None
+                ) -> tuple[GateUpTensor, GateUpTensor, torch.Tensor, torch.Tensor]:
+    """MX tiles -> plain MXFP4 (w13, w13_scale, w2, w2_scale), rebuilt on each call (never cached).
+
+    w13 uint8 e2m1x2 [E', 2I, H/2] and w13_scale e8m0 [E', 2I, H/32], both INTERLEAVED ROWS;
+    w2 [E', H, I/2], w2_scale [E', H, I/32]. E' = all local experts, or those `experts`
+    selects along dim 0 (a slice or index list, e.g. slice(j, j + 1) for local expert j alone).
+    """
+    if not Scheme(p.scheme).is_mxfp4:
+        raise WeightError(f"plain_mxfp4 needs MXFP4 (a16w4/a8w4) weights, these are {Scheme(p.scheme).value}")
+    for name, t in (("w13", p.w13), ("w13_scale", p.w13_scale)):
+        if not isinstance(t, GateUpTensor) or t.kind is not GateUpKind.MX_TILES:
+            got = t.kind.value if isinstance(t, GateUpTensor) else type(t).__name__
+            raise WeightError(f"plain_mxfp4: {name} must be MX tiles (GateUpKind.MX_TILES), got {got}")
+    if isinstance(experts, int):
+        raise TypeError("plain_mxfp4: select experts with a slice or index list (dim 0 is kept), not an int")
+    pick = (lambda t: t) if experts is None else (lambda t: t[experts])  # noqa: E731
+    H, I = p.hidden_size, p.intermediate_size
+    v13 = pick(require(p.w13, GateUpLayout.INTERLEAVED, "w13"))
+    s13 = pick(require(p.w13_scale, GateUpLayout.INTERLEAVED, "w13_scale"))
+    q13, sc13 = _untile_experts(v13, s13, 2 * I, H)
+    q2, sc2 = _untile_experts(pick(p.w2), pick(p.w2_scale), H, I)
+    return (GateUpTensor(q13, GateUpLayout.INTERLEAVED), GateUpTensor(sc13, GateUpLayout.INTERLEAVED, GateUpKind.ROWS),
+            q2, sc2)
+
+
+def _untile_experts(values: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """mx_tiles.untile one expert (dim 0) at a time: its int64 working set is ~16 bytes per code,
+    too much for a whole layer at once."""
+    if values.dim() != 4 or scales.dim() != 4 or values.shape[0] != scales.shape[0]:
+        raise WeightError(f"MX tiles must be [E, N/16, K/64, bytes] with one scale tile per value tile, got "
+                          f"{tuple(values.shape)} / {tuple(scales.shape)}")
+    packed = torch.empty(values.shape[0], n, k // 2, dtype=torch.uint8, device=values.device)
+    plain = torch.empty(values.shape[0], n, k // MX_BLOCK, dtype=torch.uint8, device=values.device)
+    for e in range(values.shape[0]):
+        packed[e], plain[e] = mx_tiles.untile(values[e], scales[e], n, k)
+    return packed, plain
+
+
+def _expert_map(spec: MoESpec, device: torch.device) -> torch.Tensor:
+    expert_map = torch.full((spec.num_experts,), -1, dtype=torch.int32)
+    expert_map[list(spec.local_experts)] = torch.arange(spec.num_local_experts, dtype=torch.int32)
+    return expert_map.to(device)
+
+
+class _MxStack:
+    """Per-expert plain MXFP4 [n, k/2] + [n, k/32] tiled into preallocated [E_l, ...] MX tiles."""
+
+    def __init__(self, name: str, count: int, n: int, k: int, device: torch.device) -> None:
+        (vs, ss) = mx_tiles.tiled_shapes(n, k)
+        self.name, self.n, self.k = name, n, k
+        self.values = torch.empty(count, *vs, dtype=torch.uint8, device=device)
+        self.scales = torch.empty(count, *ss, dtype=torch.uint8, device=device)
+
+    def put(self, j: int, packed: torch.Tensor, scales: torch.Tensor) -> None:
+        want = ((self.n, self.k // 2), (self.n, self.k // MX_BLOCK))
+        for what, t, shape in (("", packed, want[0]), ("_scale", scales, want[1])):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or tuple(t.shape) != shape:
+                got = _fmt(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise WeightError(f"{self.name}{what} of local expert {j} is {got}, expected "
+                                  f"{_fmt(shape, torch.uint8)} (plain MXFP4)")
+        dev = self.values.device
+        self.values[j], self.scales[j] = mx_tiles.tile(packed.to(dev), scales.to(dev))
+
+
+def prepare_mxfp4_local(spec: MoESpec, experts: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+                        *, device: torch.device | str | None = None, w13_bias: GateUpTensor | None = None,
+                        w2_bias: torch.Tensor | None = None) -> PreparedWeights:
+    """Plain MXFP4 of each local expert -> PreparedWeights holding MX tiles.
+
+    `experts` yields, in local order, spec.num_local_experts tuples (w13 uint8 [2I, H/2] with
+    INTERLEAVED rows, w13_scale uint8 [2I, H/32] INTERLEAVED, w2 uint8 [H, I/2], w2_scale uint8
+    [H, I/32]). Each is tiled onto `device` (default: that of the first w13) into the stacked
+    result and dropped before the next is drawn, so a generator never has more than one
+    expert's plain copy alive. Biases, if any, are already prepared: w13_bias INTERLEAVED fp32
+    [E_l, 2I], w2_bias fp32 [E_l, H].
+    """
+    if not spec.scheme.is_mxfp4:
+        raise WeightError(f"prepare_mxfp4_local builds MXFP4 (a16w4/a8w4) weights, the spec's scheme is "
+                          f"{spec.scheme.value}")
+    H, I, El = spec.hidden_size, spec.intermediate_size, spec.num_local_experts
+    dev = None if device is None else torch.device(device)
+    st13 = st2 = None
+    count = 0
+    for item in experts:
+        if count >= El:
+            raise WeightError(f"prepare_mxfp4_local: more than {El} experts given (the spec has {El} local)")
+        if len(item) != 4:
+            raise WeightError("prepare_mxfp4_local: each expert is (w13, w13_scale, w2, w2_scale)")
+        if st13 is None:
+            dev = dev or item[0].device
+            st13, st2 = _MxStack("w13", El, 2 * I, H, dev), _MxStack("w2", El, H, I, dev)
+        st13.put(count, item[0], item[1])
+        st2.put(count, item[2], item[3])
+        del item  # the plain copy goes before the next expert's is drawn
+        count += 1
+    if count != El:
+        raise WeightError(f"prepare_mxfp4_local: {count} experts given, the spec has {El} local")
+    if st13 is None:  # no local experts
+        dev = dev or torch.device("cpu")
+        st13, st2 = _MxStack("w13", 0, 2 * I, H, dev), _MxStack("w2", 0, H, I, dev)
+    return PreparedWeights(
+        scheme=spec.scheme, hidden_size=H, intermediate_size=I, num_experts=spec.num_experts,
+        local_experts=spec.local_experts, num_local_experts=El, expert_map=_expert_map(spec, dev),
+        w13=GateUpTensor(st13.values, GateUpLayout.INTERLEAVED, GateUpKind.MX_TILES),
+        w13_scale=GateUpTensor(st13.scales, GateUpLayout.INTERLEAVED, GateUpKind.MX_TILES),
+        w2=st2.values, w2_scale=st2.scales, w13_bias=w13_bias, w2_bias=w2_bias,
+        mx_scale_max=_scale_max(st13.scales, st2.scales),
+    )
 
 
 # ---------------------------------------------------------------- one matrix
@@ -173,6 +354,8 @@ def prepare_stacked(spec: MoESpec, w13: torch.Tensor, w2: torch.Tensor, *, layou
     all `spec.num_experts` experts. Only the spec's local experts are kept.
     fp8 w13 scales are [E', 2*ceil(I/128), ceil(H/128)] when SEPARATED (each of gate and
     up blocked on its own) or [E', ceil(I/128), 2, ceil(H/128)] when INTERLEAVED.
+    MXFP4 schemes (a16w4, a8w4) come out as MX tiles (prepare_mxfp4_local), built one
+    expert at a time; `plain_mxfp4` gives the plain form back.
     """
     layout = GateUpLayout(layout)
     ids = list(range(spec.num_experts)) if expert_ids is None else [int(e) for e in expert_ids]
@@ -211,23 +394,6 @@ def prepare_stacked(spec: MoESpec, w13: torch.Tensor, w2: torch.Tensor, *, layou
     dev = torch.device(device) if device is not None else w13.device
 
     gate_rows, up_rows, g13, u13 = _gate_up_selectors(layout, w13_scale, src13, I)
-    w13_parts, s13_parts, w2_parts, s2_parts = [], [], [], []
-    for e in spec.local_experts:
-        r = row_of[e]
-        gd, gs = _convert(w13[r, gate_rows], None if w13_scale is None else w13_scale[r][g13], src13, dst)
-        ud, us = _convert(w13[r, up_rows], None if w13_scale is None else w13_scale[r][u13], src13, dst)
-        w13_parts.append(torch.cat((gd, ud)).to(dev))
-        if gs is not None:
-            s13_parts.append(torch.cat((gs, us)).to(dev))
-        d2, s2 = _convert(w2[r], None if w2_scale is None else w2_scale[r], src2, dst)
-        w2_parts.append(d2.to(dev))
-        if s2 is not None:
-            s2_parts.append(s2.to(dev))
-
-    scale_kind = GateUpKind.BLOCK_SCALE if dst == "fp8" else GateUpKind.ROWS
-    prepared13 = interleave(GateUpTensor(torch.stack(w13_parts), GateUpLayout.SEPARATED))
-    prepared13_scale = (interleave(GateUpTensor(torch.stack(s13_parts), GateUpLayout.SEPARATED, scale_kind))
-                        if s13_parts else None)
     bias13 = bias2 = None
     if spec.has_bias:
         local_rows = torch.tensor([row_of[e] for e in spec.local_experts], device=w13_bias.device)
@@ -236,15 +402,47 @@ def prepare_stacked(spec: MoESpec, w13: torch.Tensor, w2: torch.Tensor, *, layou
             else GateUpTensor(b13.contiguous(), GateUpLayout.INTERLEAVED)
         bias2 = w2_bias.index_select(0, local_rows.to(w2_bias.device)).float().to(dev).contiguous()
 
-    expert_map = torch.full((spec.num_experts,), -1, dtype=torch.int32)
-    expert_map[list(spec.local_experts)] = torch.arange(spec.num_local_experts, dtype=torch.int32)
+    def local_expert(e: int):
+        """(gate data, gate scale, up data, up scale, w2, w2 scale) of global expert e in format dst."""
+        r = row_of[e]
+        gd, gs = _convert(w13[r, gate_rows], None if w13_scale is None else w13_scale[r][g13], src13, dst)
+        ud, us = _convert(w13[r, up_rows], None if w13_scale is None else w13_scale[r][u13], src13, dst)
+        d2, s2 = _convert(w2[r], None if w2_scale is None else w2_scale[r], src2, dst)
+        return gd, gs, ud, us, d2, s2
+
+    if dst == "mxfp4":  # one expert at a time: interleave its rows, tile it; no stacked plain copy
+        def plain():
+            for e in spec.local_experts:
+                gd, gs, ud, us, d2, s2 = local_expert(e)
+                yield _interleave_rows(gd, ud), _interleave_rows(gs, us), d2, s2
+        return prepare_mxfp4_local(spec, plain(), device=dev, w13_bias=bias13, w2_bias=bias2)
+
+    w13_parts, s13_parts, w2_parts, s2_parts = [], [], [], []
+    for e in spec.local_experts:
+        gd, gs, ud, us, d2, s2 = local_expert(e)
+        w13_parts.append(torch.cat((gd, ud)).to(dev))
+        if gs is not None:
+            s13_parts.append(torch.cat((gs, us)).to(dev))
+        w2_parts.append(d2.to(dev))
+        if s2 is not None:
+            s2_parts.append(s2.to(dev))
+
+    scale_kind = GateUpKind.BLOCK_SCALE if dst == "fp8" else GateUpKind.ROWS
+    prepared13 = interleave(GateUpTensor(torch.stack(w13_parts), GateUpLayout.SEPARATED))
+    prepared13_scale = (interleave(GateUpTensor(torch.stack(s13_parts), GateUpLayout.SEPARATED, scale_kind))
+                        if s13_parts else None)
     return PreparedWeights(
         scheme=spec.scheme, hidden_size=H, intermediate_size=I, num_experts=spec.num_experts,
         local_experts=spec.local_experts, num_local_experts=spec.num_local_experts,
-        expert_map=expert_map.to(dev), w13=prepared13, w13_scale=prepared13_scale,
+        expert_map=_expert_map(spec, dev), w13=prepared13, w13_scale=prepared13_scale,
         w2=torch.stack(w2_parts), w2_scale=torch.stack(s2_parts) if s2_parts else None,
         w13_bias=bias13, w2_bias=bias2,
     )
+
+
+def _interleave_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """[n, ...] gate rows and [n, ...] up rows -> [2n, ...] rows g0, u0, g1, u1, ..."""
+    return torch.stack((gate, up), dim=1).flatten(0, 1)
 
 
 def _gate_up_selectors(layout: GateUpLayout, w13_scale, src: str, I: int):

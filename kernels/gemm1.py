@@ -1,7 +1,7 @@
 """GEMM1: grouped x @ w13^T over expert row blocks, SwiGLU in the epilogue, optional fp8 output.
 
-Weights: bf16, fp8 (128x128 block scales) or MXFP4 (a16w4 / a8w4: e2m1 bytes + e8m0 per 32,
-decoded in registers by kernels/mxfp4.py).
+Weights: bf16, fp8 (128x128 block scales) or MXFP4 (a16w4 / a8w4: MX tiles, int32 words of
+e2m1 codes + e8m0 scales, decoded in registers by kernels/mxfp4.py).
 
 Token rows are read through the sorted pair list (no permuted copy of x). w13 rows are
 INTERLEAVED (row 2j = gate j, row 2j+1 = up j), so a tile of BLOCK_N rows holds BLOCK_N/2
@@ -9,10 +9,13 @@ complete (gate, up) pairs and the activation runs in registers. For fp8 the tile
 exactly one 128-group of GEMM2's input (BLOCK_N = 256), so the epilogue also quantizes it
 per token-group-128: GEMM2 then streams e4m3 and needs no prologue work.
 
-SWAP (MXFP4 at BLOCK_M <= 16): the K loop computes out^T = W @ x^T, the decoded weight tile
-[BLOCK_N, BLOCK_K] as the dot's left operand (measured up to 1.8x faster for a8w4 on an H200,
-docs/perf/mxfp4-lab-h200.md), and transposes the accumulator once after the loop, so the
-epilogue is the same for both orientations.
+MXFP4 (a16w4, a8w4) runs "swapped" at every BLOCK_M: the K loop computes out^T = W @ x^T,
+the decoded weight tile [BLOCK_N, BLOCK_K] as the dot's left operand, straight from the
+registers the MX tile layout fills, with no shared-memory staging of the weights, and
+transposes the accumulator once after the loop, so the epilogue is the same as for bf16/fp8.
+On an H200 this beat the weight-as-right-operand orientation 2.3-3.4x at T = 2048 and 8192
+(docs/perf/mxfp4-h200.md). a8w4 dots in bf16 there, on its e4m3 activations (exact in bf16),
+with the activation scale applied to each K step's product (a second accumulator).
 """
 
 from __future__ import annotations
@@ -21,18 +24,18 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_moe.layout import GateUpLayout, GateUpTensor, require
+from atom_moe.layout import GateUpKind, GateUpLayout, GateUpTensor, LayoutError, require
 
 from .common import FP8_MAX, QGROUP, cast, dot, interpreting, tile_ids
-from .mxfp4 import tile_bf16, tile_bf16_nk, tile_e4m3, tile_e4m3_nk
+from .mxfp4 import launch_args, swap_step, tile_offsets
 
 GROUP = 128  # host-side twin of common.QGROUP
 
 
 @triton.jit
 def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, bias_ptr, sorted_ptr, block_expert_ptr,
-                  out_ptr, outs_ptr, num_pairs, top_k, hidden, inter, n_blocks, alpha, limit,
-                  FP8: tl.constexpr, W4: tl.constexpr, SWAP: tl.constexpr, OAI: tl.constexpr,
+                  out_ptr, outs_ptr, num_pairs, top_k, hidden, inter, n_blocks, alpha, limit, row_blocks, k_blocks,
+                  FP8: tl.constexpr, W4: tl.constexpr, BIG: tl.constexpr, OAI: tl.constexpr,
                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, INTERP: tl.constexpr):
     n_out = 2 * inter
@@ -48,23 +51,13 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, bias_ptr, sorted_ptr, 
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < n_out
     kk = tl.arange(0, BLOCK_K)
-    if SWAP:  # x^T tiles [BLOCK_K, BLOCK_M]
+    if W4:  # x^T tiles [BLOCK_K, BLOCK_M]
         a_ptrs = x_ptr + tok[None, :] * stride_x + kk[:, None]
     else:
         a_ptrs = x_ptr + tok[:, None] * stride_x + kk[None, :]
     n64 = n.to(tl.int64)
-    if W4:
-        # MXFP4: bytes [E, 2I, H/2] and e8m0 [E, 2I, H/32], decoded in registers (kernels/mxfp4.py)
-        kh = tl.arange(0, BLOCK_K // 2)
-        kg = tl.arange(0, BLOCK_K // 32)
-        w_rows = w_ptr + e64 * n_out * (hidden // 2) + n64 * (hidden // 2)
-        ws_rows = ws_ptr + e64 * n_out * (hidden // 32) + n64 * (hidden // 32)
-        if SWAP:  # tiles [BLOCK_N, BLOCK_K / 2] and [BLOCK_N, BLOCK_K / 32]
-            w_ptrs = w_rows[:, None] + kh[None, :]
-            ws_ptrs = ws_rows[:, None] + kg[None, :]
-        else:
-            w_ptrs = w_rows[None, :] + kh[:, None]
-            ws_ptrs = ws_rows[None, :] + kg[:, None]
+    if W4:  # MX tiles (kernels/mxfp4.py): int32 words, advanced per K step
+        w_off, s_off, nb_ok, kb = tile_offsets(e64, pid_n, row_blocks, k_blocks, BLOCK_N, BLOCK_K)
     else:
         w_ptrs = w_ptr + e64 * n_out * hidden + n64[None, :] * hidden + kk[:, None]
     if FP8:
@@ -74,58 +67,45 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, bias_ptr, sorted_ptr, 
             # output pair j = n // 2 uses scale [e, j // 128, n % 2, kb]
             ws_ptrs = ws_ptr + e64 * (tl.cdiv(inter, QGROUP) * 2 * k_groups) \
                 + (n // 2 // QGROUP) * (2 * k_groups) + (n % 2) * k_groups
-    if SWAP:
+    if W4:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # out^T
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if W4 and FP8:  # activation scales one K step ahead: a plain load would stall every step
+        a_s_next = tl.load(as_ptrs, mask=row_ok, other=0.0)
     for k0 in range(0, hidden, BLOCK_K):
         k_ok = (k0 + kk) < hidden
-        if SWAP:
+        if W4:
             a = tl.load(a_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
         else:
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if W4:
-            kh_ok = (k0 // 2 + kh) < hidden // 2
-            kg_ok = (k0 // 32 + kg) < hidden // 32
-            if SWAP:
-                wb = tl.load(w_ptrs, mask=n_ok[:, None] & kh_ok[None, :], other=0)
-                sb = tl.load(ws_ptrs, mask=n_ok[:, None] & kg_ok[None, :], other=0)
-                if FP8:
-                    w, w_s = tile_e4m3_nk(wb, sb, BLOCK_N, BLOCK_K, INTERP)
-                else:
-                    w = tile_bf16_nk(wb, sb, BLOCK_N, BLOCK_K, INTERP)
+            if FP8:
+                a_s = a_s_next
+                a_s_next = tl.load(as_ptrs + k0 // QGROUP + 1, mask=row_ok & (k0 + BLOCK_K < hidden), other=0.0)
+                acc = swap_step(acc, a, a_s, w_ptr, ws_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks,
+                                BLOCK_N, BLOCK_M, BLOCK_K, FP8, BIG, INTERP)
             else:
-                wb = tl.load(w_ptrs, mask=kh_ok[:, None] & n_ok[None, :], other=0)
-                sb = tl.load(ws_ptrs, mask=kg_ok[:, None] & n_ok[None, :], other=0)
-                if FP8:  # a8w4: e4m3 x e4m3 dot, per-32 scales factored into base x residual
-                    w, w_s = tile_e4m3(wb, sb, BLOCK_K, BLOCK_N, INTERP)
-                else:  # a16w4: bf16 dot on the dequantized tile
-                    w = tile_bf16(wb, sb, BLOCK_K, BLOCK_N, INTERP)
+                if x_ptr.dtype.element_ty != tl.bfloat16:
+                    a = cast(a.to(tl.float32), tl.bfloat16, INTERP)
+                acc = swap_step(acc, a, 0.0, w_ptr, ws_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks,
+                                BLOCK_N, BLOCK_M, BLOCK_K, FP8, BIG, INTERP)
+            w_off += (BLOCK_K // 64) * 128
+            s_off += (BLOCK_K // 64) * 8
         else:
             w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if FP8:
-            kb = k0 // QGROUP
-            a_s = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
-            if not W4:
-                w_s = tl.load(ws_ptrs + kb, mask=n_ok, other=0.0)
-            if SWAP:  # same product order as below: dot * a_s * w_s
-                acc += tl.dot(w, a) * a_s[None, :] * w_s[:, None]
-            else:
+            if FP8:
+                kb8 = k0 // QGROUP
+                a_s = tl.load(as_ptrs + kb8, mask=row_ok, other=0.0)
+                w_s = tl.load(ws_ptrs + kb8, mask=n_ok, other=0.0)
                 acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
-        else:
-            if x_ptr.dtype.element_ty != tl.bfloat16:  # the bf16 scheme computes in bf16
-                a = cast(a.to(tl.float32), tl.bfloat16, INTERP)
-            if SWAP:
-                acc = dot(w, a, acc, INTERP)
             else:
+                if x_ptr.dtype.element_ty != tl.bfloat16:  # the bf16 scheme computes in bf16
+                    a = cast(a.to(tl.float32), tl.bfloat16, INTERP)
                 acc = dot(a, w, acc, INTERP)
-        a_ptrs += BLOCK_K
-        if W4:
-            w_ptrs += BLOCK_K // 2
-            ws_ptrs += BLOCK_K // 32
-        else:
             w_ptrs += BLOCK_K
-    if SWAP:
+        a_ptrs += BLOCK_K
+    if W4:
         acc = tl.trans(acc)  # the epilogue works on [BLOCK_M, BLOCK_N]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + e64 * n_out + n, mask=n_ok, other=0.0)[None, :]
@@ -157,8 +137,11 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
           w13_bias_t: GateUpTensor | None, sorted_ids: torch.Tensor, block_expert: torch.Tensor, n_blocks: int,
           top_k: int, out: torch.Tensor, out_scale: torch.Tensor | None, *, oai: bool, alpha: float,
           limit: float, block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
-          group_m: int = 8) -> None:
-    """out[row, :I] = act(x[token(row)] @ w13[expert(row)]^T (+bias)), fp8-quantized when out_scale is given."""
+          group_m: int = 8, mx_big: bool = False) -> None:
+    """out[row, :I] = act(x[token(row)] @ w13[expert(row)]^T (+bias)), fp8-quantized when out_scale is given.
+
+    MXFP4 w13 comes as MX tiles (GateUpKind.MX_TILES); mx_big: some e8m0 scale is above 128.
+    """
     # The pairing of gate and up rows is checked, never assumed: a mispaired layout runs fine
     # and silently ruins accuracy.
     w13 = require(w13_t, GateUpLayout.INTERLEAVED, "w13")
@@ -169,23 +152,26 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
     if fp8 != (out_scale is not None) or (w4 or fp8) != (w13_scale is not None):
         raise ValueError("GEMM1: x_scale and out_scale go with e4m3 activations, w13_scale with fp8 or MXFP4 weights")
     num_tokens, hidden = x.shape
-    inter = w13.shape[1] // 2
+    inter = out.shape[1] if w4 else w13.shape[1] // 2
+    row_blocks = k_blocks = 0
+    if w4:
+        if w13_t.kind is not GateUpKind.MX_TILES or w13_scale_t.kind is not GateUpKind.MX_TILES:
+            raise LayoutError("GEMM1: MXFP4 w13 and w13_scale must be MX tiles (GateUpKind.MX_TILES, built by "
+                              "atom_moe.weights), not plain MXFP4 rows")
+        w13, w13_scale, row_blocks, k_blocks = launch_args("GEMM1", "w13", w13, w13_scale, 2 * inter, hidden,
+                                                           block_n, block_k)
     if fp8 and (block_n != 2 * GROUP or block_k != GROUP):
         raise ValueError(f"fp8 GEMM1 needs block_n=256 and block_k=128 (one 128-group per tile), "
                          f"got block_n={block_n}, block_k={block_k}")
-    if w4 and (block_k < 32 or hidden % 32):
-        raise ValueError(f"MXFP4 GEMM1 needs block_k >= 32 and H % 32 == 0, got block_k={block_k}, H={hidden}")
     if block_n % 2:
         raise ValueError(f"GEMM1 block_n must be even (gate/up pairs), got {block_n}")
-    # MXFP4 at few rows per expert: weight tile as the dot's left operand (see the module docstring)
-    swap = w4 and block_m <= 16
     grid = (n_blocks * triton.cdiv(2 * inter, block_n),)
     _gemm1_kernel[grid](
         x, x.stride(0), x_scale if fp8 else x, w13, w13_scale if w13_scale is not None else w13,
         w13_bias if w13_bias is not None else w13, sorted_ids, block_expert,
         out, out_scale if fp8 else out, num_tokens * top_k, top_k, hidden, inter, n_blocks,
-        float(alpha), float(limit),
-        FP8=fp8, W4=w4, SWAP=swap, OAI=oai, HAS_BIAS=w13_bias is not None,
+        float(alpha), float(limit), row_blocks, k_blocks,
+        FP8=fp8, W4=w4, BIG=w4 and mx_big, OAI=oai, HAS_BIAS=w13_bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         GROUP_M=group_m, INTERP=interpreting(), num_warps=num_warps, num_stages=num_stages,
     )

@@ -20,9 +20,9 @@ source in fused mode each weighted (token, slot) row goes straight into that sou
 above and the sum goes into the source's `returned` row rank*C + t. `delta[s]` (bytes)
 turns a local buffer address into rank s's mapping of it.
 
-SWAP (MXFP4 at BLOCK_M <= 16): as in GEMM1, the K loop computes out^T = W @ x^T with the
-decoded weight tile [BLOCK_N, BLOCK_K] as the dot's left operand and the accumulator is
-transposed once after the loop; the epilogue is the same for both orientations.
+MXFP4 weights are MX tiles (kernels/mxfp4.py), decoded in registers, and run swapped as in
+GEMM1: the K loop computes out^T = W @ act^T with the decoded weight tile as the dot's left
+operand and the accumulator is transposed once after the loop; a8w4 dots in bf16 as in GEMM1.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .common import QGROUP, cast, dot, interpreting, tile_ids
-from .mxfp4 import tile_bf16, tile_bf16_nk, tile_e4m3, tile_e4m3_nk
+from .mxfp4 import launch_args, swap_step, tile_offsets
 
 GROUP = 128  # host-side twin of common.QGROUP
 # Pair count from which fused_experts combines in a separate launch: on an H200 the separate
@@ -63,8 +63,8 @@ class RemoteOutput:
 def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, sorted_ptr, block_expert_ptr,
                   ids_ptr, emap_ptr, topk_w_ptr, partial_ptr, counters_ptr, n_counters, out_ptr, stride_out,
                   num_pairs, num_experts, hidden, inter, n_blocks,
-                  delta_ptr, info_ptr, slots_ptr, returned_ptr, capacity, rank,
-                  FP8: tl.constexpr, W4: tl.constexpr, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  delta_ptr, info_ptr, slots_ptr, returned_ptr, capacity, rank, row_blocks, k_blocks,
+                  FP8: tl.constexpr, W4: tl.constexpr, BIG: tl.constexpr, HAS_BIAS: tl.constexpr,
                   TOPK: tl.constexpr, KP2: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, INTERP: tl.constexpr, REMOTE: tl.constexpr, SEPARATE: tl.constexpr):
@@ -81,23 +81,13 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, sorted_ptr, block_expe
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < hidden
     kk = tl.arange(0, BLOCK_K)
-    if SWAP:  # act^T tiles [BLOCK_K, BLOCK_M]
+    if W4:  # act^T tiles [BLOCK_K, BLOCK_M]
         a_ptrs = a_ptr + rows64[None, :] * inter + kk[:, None]
     else:
         a_ptrs = a_ptr + rows64[:, None] * inter + kk[None, :]
     n64 = n.to(tl.int64)
-    if W4:
-        # MXFP4: bytes [E, H, I/2] and e8m0 [E, H, I/32], decoded in registers (kernels/mxfp4.py)
-        kh = tl.arange(0, BLOCK_K // 2)
-        kg = tl.arange(0, BLOCK_K // 32)
-        w_rows = w_ptr + e64 * hidden * (inter // 2) + n64 * (inter // 2)
-        ws_rows = ws_ptr + e64 * hidden * (inter // 32) + n64 * (inter // 32)
-        if SWAP:  # tiles [BLOCK_N, BLOCK_K / 2] and [BLOCK_N, BLOCK_K / 32]
-            w_ptrs = w_rows[:, None] + kh[None, :]
-            ws_ptrs = ws_rows[:, None] + kg[None, :]
-        else:
-            w_ptrs = w_rows[None, :] + kh[:, None]
-            ws_ptrs = ws_rows[None, :] + kg[:, None]
+    if W4:  # MX tiles (kernels/mxfp4.py): int32 words, advanced per K step
+        w_off, s_off, nb_ok, kb = tile_offsets(e64, pid_n, row_blocks, k_blocks, BLOCK_N, BLOCK_K)
     else:
         w_ptrs = w_ptr + e64 * hidden * inter + n64[None, :] * inter + kk[:, None]
     if FP8:
@@ -115,56 +105,41 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, sorted_ptr, block_expe
         slot_ok = slot_ok & (gid >= 0) & (gid < num_experts)
         slot_ok = slot_ok & (tl.load(emap_ptr + gid, mask=slot_ok, other=-1) >= 0)
         needed = tl.sum(slot_ok.to(tl.int32), 1)
-    if SWAP:
+    if W4:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # out^T
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if W4 and FP8:  # activation scales one K step ahead: a plain load would stall every step
+        a_s_next = tl.load(as_ptrs, mask=row_ok, other=0.0)
     for k0 in range(0, inter, BLOCK_K):
         k_ok = (k0 + kk) < inter
-        if SWAP:
+        if W4:
             a = tl.load(a_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
         else:
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if W4:
-            kh_ok = (k0 // 2 + kh) < inter // 2
-            kg_ok = (k0 // 32 + kg) < inter // 32
-            if SWAP:
-                wb = tl.load(w_ptrs, mask=n_ok[:, None] & kh_ok[None, :], other=0)
-                sb = tl.load(ws_ptrs, mask=n_ok[:, None] & kg_ok[None, :], other=0)
-                if FP8:
-                    w, w_s = tile_e4m3_nk(wb, sb, BLOCK_N, BLOCK_K, INTERP)
-                else:
-                    w = tile_bf16_nk(wb, sb, BLOCK_N, BLOCK_K, INTERP)
+            if FP8:
+                a_s = a_s_next
+                a_s_next = tl.load(as_ptrs + k0 // QGROUP + 1, mask=row_ok & (k0 + BLOCK_K < inter), other=0.0)
+                acc = swap_step(acc, a, a_s, w_ptr, ws_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks,
+                                BLOCK_N, BLOCK_M, BLOCK_K, FP8, BIG, INTERP)
             else:
-                wb = tl.load(w_ptrs, mask=kh_ok[:, None] & n_ok[None, :], other=0)
-                sb = tl.load(ws_ptrs, mask=kg_ok[:, None] & n_ok[None, :], other=0)
-                if FP8:  # a8w4: e4m3 x e4m3 dot, per-32 scales factored into base x residual
-                    w, w_s = tile_e4m3(wb, sb, BLOCK_K, BLOCK_N, INTERP)
-                else:  # a16w4: bf16 dot on the dequantized tile
-                    w = tile_bf16(wb, sb, BLOCK_K, BLOCK_N, INTERP)
+                acc = swap_step(acc, a, 0.0, w_ptr, ws_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks,
+                                BLOCK_N, BLOCK_M, BLOCK_K, FP8, BIG, INTERP)
+            w_off += (BLOCK_K // 64) * 128
+            s_off += (BLOCK_K // 64) * 8
         else:
             w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if FP8:
-            kb = k0 // QGROUP
-            a_s = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
-            if not W4:
-                w_s = tl.load(ws_ptrs + kb, mask=n_ok, other=0.0)
-            if SWAP:  # same product order as below: dot * a_s * w_s
-                acc += tl.dot(w, a) * a_s[None, :] * w_s[:, None]
-            else:
+            if FP8:
+                kb8 = k0 // QGROUP
+                a_s = tl.load(as_ptrs + kb8, mask=row_ok, other=0.0)
+                w_s = tl.load(ws_ptrs + kb8, mask=n_ok, other=0.0)
                 acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
-        else:
-            if SWAP:
-                acc = dot(w, a, acc, INTERP)
             else:
                 acc = dot(a, w, acc, INTERP)
-        a_ptrs += BLOCK_K
-        if W4:
-            w_ptrs += BLOCK_K // 2
-            ws_ptrs += BLOCK_K // 32
-        else:
             w_ptrs += BLOCK_K
-    if SWAP:
+        a_ptrs += BLOCK_K
+    if W4:
         acc = tl.trans(acc)  # the epilogue works on [BLOCK_M, BLOCK_N]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + e64 * hidden + n, mask=n_ok, other=0.0)[None, :]
@@ -254,39 +229,46 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
           topk_ids: torch.Tensor, expert_map: torch.Tensor, topk_weights: torch.Tensor,
           partial: torch.Tensor, counters: torch.Tensor, n_counters: int, out: torch.Tensor, *,
           block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int, group_m: int = 8,
-          remote: "RemoteOutput | None" = None, separate: bool = False) -> None:
+          remote: "RemoteOutput | None" = None, separate: bool = False, hidden: int | None = None,
+          mx_big: bool = False) -> None:
     """out[t] = sum_k w[t,k] * (act[row(t,k)] @ w2[e]^T (+bias)), deterministic combine.
 
     remote: push the results to the source ranks instead of `out` (see the module docstring).
     separate: only write the weighted rows to `partial` (from `separate_partial`); the
-    caller then runs `combine`.
+    caller then runs `combine`. hidden (H): required for MXFP4, whose MX tiles are padded;
+    mx_big: some MXFP4 e8m0 scale is above 128.
     """
     fp8 = a_scale is not None  # e4m3 activations (fp8, a8w4)
-    w4 = w2.dtype == torch.uint8  # MXFP4 weights (a16w4, a8w4): w2 [E, H, I/2]
+    w4 = w2.dtype == torch.uint8  # MXFP4 weights (a16w4, a8w4): MX tiles [E, H/16, I/64, 512]
     if (w4 or fp8) != (w2_scale is not None):
         raise ValueError("GEMM2: w2_scale goes with fp8 or MXFP4 weights")
     num_tokens, top_k = topk_ids.shape
-    hidden, inter = w2.shape[1], a.shape[1]
-    if w2.shape[2] != (inter // 2 if w4 else inter):
+    inter = a.shape[1]
+    row_blocks = k_blocks = 0
+    if w4:
+        if hidden is None:
+            raise ValueError("GEMM2: MXFP4 (MX tile) weights need hidden=H: the tiles are padded to 16 rows")
+        w2, w2_scale, row_blocks, k_blocks = launch_args("GEMM2", "w2", w2, w2_scale, hidden, inter, block_n, block_k)
+    else:
+        if hidden is not None and hidden != w2.shape[1]:
+            raise ValueError(f"GEMM2: hidden={hidden} but w2 {tuple(w2.shape)} has {w2.shape[1]} rows")
+        hidden = w2.shape[1]
+    if not w4 and w2.shape[2] != inter:
         raise ValueError(f"GEMM2: w2 {tuple(w2.shape)} does not match the activation width I={inter}")
     if fp8 and block_k != GROUP:
         raise ValueError(f"fp8 GEMM2 needs block_k=128 (one activation group per step), got {block_k}")
-    if w4 and (block_k < 32 or inter % 32):
-        raise ValueError(f"MXFP4 GEMM2 needs block_k >= 32 and I % 32 == 0, got block_k={block_k}, I={inter}")
     if triton.cdiv(hidden, block_n) > n_counters:
         raise ValueError(f"GEMM2 block_n={block_n} needs {triton.cdiv(hidden, block_n)} counters per token, "
                          f"the workspace has {n_counters}")
     if separate and (remote is not None or partial.dtype != out.dtype):
         raise ValueError("GEMM2 separate combine: local output only, partial in out's dtype (separate_partial)")
-    # MXFP4 at few rows per expert: weight tile as the dot's left operand (see the module docstring)
-    swap = w4 and block_m <= 16
     grid = (n_blocks * triton.cdiv(hidden, block_n),)
     _gemm2_kernel[grid](
         a, a_scale if fp8 else a, w2, w2_scale if w2_scale is not None else w2, w2_bias if w2_bias is not None else w2,
         sorted_ids, block_expert, topk_ids, expert_map, topk_weights, partial, counters, n_counters,
         out, out.stride(0), num_tokens * top_k, expert_map.shape[0], hidden, inter, n_blocks,
-        *(remote.args() if remote is not None else (partial,) * 4 + (1, 0)),
-        FP8=fp8, W4=w4, SWAP=swap, HAS_BIAS=w2_bias is not None, TOPK=top_k, KP2=triton.next_power_of_2(top_k),
+        *(remote.args() if remote is not None else (partial,) * 4 + (1, 0)), row_blocks, k_blocks,
+        FP8=fp8, W4=w4, BIG=w4 and mx_big, HAS_BIAS=w2_bias is not None, TOPK=top_k, KP2=triton.next_power_of_2(top_k),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, INTERP=interpreting(),
         REMOTE=remote is not None, SEPARATE=separate,
         num_warps=num_warps, num_stages=num_stages,

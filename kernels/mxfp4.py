@@ -1,28 +1,26 @@
-"""MXFP4 weight tiles decoded in registers: e2m1 codes x e8m0 scales (one per 32 along K).
+"""MXFP4 weight tiles decoded in registers, from the MX tile layout (atom_moe/mx_tiles.py).
 
-Layout: the kernels stream PreparedWeights' tensors as they are (no repack yet):
-packed e2m1 uint8 [E, N, K/2] (two codes per byte, LOW nibble = even k) and e8m0 uint8
-[E, N, K/32]. A weight tile is loaded as bytes [BLOCK_K/2, BLOCK_N] plus scales
-[BLOCK_K/32, BLOCK_N] and decoded here:
+The GEMMs read MX tiles as int32 words: a [BLOCK_N, BLOCK_K] weight tile is NB x KB blocks of
+16 rows x 64 k (NB = BLOCK_N / 16, KB = BLOCK_K / 64), 128 words each, plus one scale word per
+row pair (g, g + 8) of a block. Every thread loads its 16 contiguous bytes per block, already
+in the order a Hopper mma A fragment wants, so the load needs no shared-memory shuffle.
 
-- `tile_bf16` (a16w4): value * 2^(s-127), exact in bf16 (e2m1 has 2 significant bits).
-- `tile_e4m3` (a8w4): e2m1 converts exactly to e4m3. The per-32 scales of one 128-K step
-  are factored into a per-column base 2^(max_s - 127 - 6) (applied once per K step to the
-  fp32 dot result, exactly like the fp8 scheme's block scale) and a residual exponent
-  r = s - max_s + 6 in [.., 6] folded into the e4m3 values at decode time. 6 * 2^6 = 384
-  <= 448, and e2m1 values stay exact in e4m3 down to r = -8, so the factorization is
-  lossless whenever the four scales of a 128-K step span <= 14 binades (real checkpoints:
-  always; beyond that the smallest blocks are rounded to the e4m3 grid, not dropped).
+Decode (`tile_bf16`): each word gives 4 bf16x2 registers with shifts and masks only (value *
+2^-126, code 1 = 0.5 on a bf16 subnormal), then one bf16x2 multiply by 2^(s-1) applies the
+e8m0 scale, exactly: e2m1 has 2 significant bits. Scales above 128 (2^(s-1) would overflow
+bf16) take a second multiply; `BIG` (set from the weights' largest scale at preparation)
+switches that in, so real checkpoints pay one multiply. An e8m0 0xFF gives NaN, as in the
+reference. Against the plain-row layout (`scripts/kernel_sass.py`, sm_90a): 4.3-4.9 SASS
+instructions per weight in the GEMMs' K loop instead of 12.6; on an H200 the gpt-oss layer
+got 1.9-3.1x faster at T <= 512 (docs/perf/mxfp4-h200.md).
 
-`tile_bf16_nk` / `tile_e4m3_nk` decode the same bytes loaded the other way round, [BLOCK_N,
-BLOCK_K/2] + scales [BLOCK_N, BLOCK_K/32], into [BLOCK_N, BLOCK_K] tiles (nibbles joined along
-K, no permute) with identical values: the "swap" GEMMs use them as the dot's LEFT operand
-(out^T = W @ x^T), which an H200 runs up to 1.8x faster at <= 16 rows per expert
-(docs/perf/mxfp4-lab-h200.md).
+a8w4 uses the same bf16 tiles (bf16 dots, kernels/gemm1.py says why): Hopper's fp8 mma wants
+each thread's A fragment as k-quads, the bf16 one as k-pairs, so fp8 dots from this layout
+would need a shared-memory restage per tile; measured at 0.07-0.08 of the fp8 floor before
+this layout, against 0.13-0.16 for bf16 dots after it (docs/perf/mxfp4-h200.md).
 
-The e2m1 decode is a bit trick: code bits s|e1 e0|m placed as fp16 bits (s << 15 | em << 9)
-give exactly value * 2^-14 (code 1 = 0.5 lands on an fp16 subnormal, which the fp16 ->
-fp32 conversion handles exactly), so no table and no branches.
+Under TRITON_INTERPRET=1 the decode works in fp32 holding the same bf16 bit patterns (the
+interpreter flushes bf16 subnormals) and rounds with `cast`.
 """
 
 from __future__ import annotations
@@ -31,145 +29,164 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cast, interpreting
+from atom_moe import mx_tiles
 
-SCALE_BLOCK = 32  # elements per e8m0 scale along K
+from .common import cast, dot, interpreting
 
-
-@triton.jit
-def e8m0_to_f32(s):
-    """e8m0 bytes -> fp32 2^(s-127); 0 -> 2^-127 (fp32 subnormal), 0xFF -> NaN."""
-    si = s.to(tl.int32)
-    bits = tl.where(si == 0, 0x00400000, si << 23)
-    bits = tl.where(si == 255, 0x7FC00000, bits)
-    return bits.to(tl.float32, bitcast=True)
+MASK = tl.constexpr(mx_tiles.MASK)
+OUT3_R8 = tl.constexpr(mx_tiles.OUT3_MASKS[-8])
+OUT3_R3 = tl.constexpr(mx_tiles.OUT3_MASKS[-3])
+OUT3_L2 = tl.constexpr(mx_tiles.OUT3_MASKS[2])
 
 
 @triton.jit
-def e2m1_codes(packed, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """bytes [BLOCK_K/2, BLOCK_N] -> codes [BLOCK_K, BLOCK_N]: row 2i = low nibble of byte row i."""
-    lo = packed & 0x0F
-    hi = packed >> 4
-    return tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BLOCK_K, BLOCK_N))
+def tile_offsets(expert64, pid_n, row_blocks, k_blocks, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(word offsets [NB, KB, 32, 4], scale-word offsets [NB, KB, 8], row-block ok [NB], kb [KB]) of
+    the tile at column tile pid_n, K step 0; advance by KB * 128 and KB * 8 words per K step."""
+    NB: tl.constexpr = BLOCK_N // 16
+    KB: tl.constexpr = BLOCK_K // 64
+    nb = pid_n * NB + tl.arange(0, NB)
+    kb = tl.arange(0, KB)
+    blk = (expert64 * row_blocks + nb)[:, None] * k_blocks + kb[None, :]
+    lane_j = tl.arange(0, 32)[:, None] * 4 + tl.arange(0, 4)[None, :]
+    w_off = blk[:, :, None, None] * 128 + lane_j[None, None, :, :]
+    s_off = blk[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    return w_off, s_off, nb < row_blocks, kb
 
 
 @triton.jit
-def e2m1_value_2m14(codes):
-    """e2m1 codes -> fp32 value * 2^-14 (exact; via fp16 bits, code 1 is an fp16 subnormal)."""
-    c = codes.to(tl.uint16)
-    h = ((c & 8) << 12) | ((c & 7) << 9)
-    return h.to(tl.float16, bitcast=True).to(tl.float32)
+def load_tile(w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks):
+    """The int32 value words and scale words of one K step (zeros past N or K)."""
+    kb_ok = (k0 // 64 + kb) < k_blocks
+    ok = nb_ok[:, None] & kb_ok[None, :]
+    words = tl.load(w_ptr + w_off, mask=ok[:, :, None, None], other=0)
+    swords = tl.load(s_ptr + s_off, mask=ok[:, :, None], other=0)
+    return words, swords
 
 
 @triton.jit
-def tile_bf16(packed, scales, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE: tl.constexpr):
-    """Dequantized bf16 tile [BLOCK_K, BLOCK_N] (bit-exact: e2m1 * 2^k is representable)."""
-    v = e2m1_value_2m14(e2m1_codes(packed, BLOCK_K, BLOCK_N)) * 16384.0
-    sf = e8m0_to_f32(scales)
-    w = tl.reshape(tl.reshape(v, (BLOCK_K // 32, 32, BLOCK_N)) * sf[:, None, :], (BLOCK_K, BLOCK_N))
-    return cast(w, tl.bfloat16, EMULATE)
-
-
-@triton.jit
-def tile_e4m3(packed, scales, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE: tl.constexpr):
-    """(e4m3 tile [BLOCK_K, BLOCK_N], fp32 column scale [BLOCK_N]) with tile * col == dequantized weight.
-
-    col = 2^(max_s - 127 - 6) per column (NaN if any scale is 0xFF); the tile holds
-    e2m1 * 2^(s - max_s + 6), exact for s >= max_s - 14.
-    """
-    si = scales.to(tl.int32)
-    smax = tl.max(si, 0)
-    # value * 2^-14 * 2^(20 + s - smax) = value * 2^(s - smax + 6); fp32 exponent field >= 1
-    fexp = tl.maximum(127 + 20 + si - smax[None, :], 1)
-    f = (fexp << 23).to(tl.float32, bitcast=True)
-    v = e2m1_value_2m14(e2m1_codes(packed, BLOCK_K, BLOCK_N))
-    w = tl.reshape(tl.reshape(v, (BLOCK_K // 32, 32, BLOCK_N)) * f[:, None, :], (BLOCK_K, BLOCK_N))
-    col = e8m0_to_f32(smax) * 0.015625
-    return cast(w, tl.float8e4nv, EMULATE), col
-
-
-@triton.jit
-def e2m1_codes_nk(packed, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """bytes [BLOCK_N, BLOCK_K/2] -> codes [BLOCK_N, BLOCK_K]: column 2i = low nibble of byte column i."""
-    return tl.reshape(tl.join(packed & 0x0F, packed >> 4), (BLOCK_N, BLOCK_K))
-
-
-@triton.jit
-def tile_bf16_nk(packed, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
-    """`tile_bf16` for bytes [BLOCK_N, BLOCK_K/2] and scales [BLOCK_N, BLOCK_K/32]: tile [BLOCK_N, BLOCK_K]."""
-    v = e2m1_value_2m14(e2m1_codes_nk(packed, BLOCK_N, BLOCK_K)) * 16384.0
-    sf = e8m0_to_f32(scales)
-    w = tl.reshape(tl.reshape(v, (BLOCK_N, BLOCK_K // 32, 32)) * sf[:, :, None], (BLOCK_N, BLOCK_K))
-    return cast(w, tl.bfloat16, EMULATE)
-
-
-@triton.jit
-def tile_e4m3_nk(packed, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
-    """`tile_e4m3` for bytes [BLOCK_N, BLOCK_K/2] and scales [BLOCK_N, BLOCK_K/32]:
-    (e4m3 tile [BLOCK_N, BLOCK_K], fp32 row scale [BLOCK_N]), same base x residual split."""
-    si = scales.to(tl.int32)
-    smax = tl.max(si, 1)
-    fexp = tl.maximum(127 + 20 + si - smax[:, None], 1)
-    f = (fexp << 23).to(tl.float32, bitcast=True)
-    v = e2m1_value_2m14(e2m1_codes_nk(packed, BLOCK_N, BLOCK_K))
-    w = tl.reshape(tl.reshape(v, (BLOCK_N, BLOCK_K // 32, 32)) * f[:, :, None], (BLOCK_N, BLOCK_K))
-    col = e8m0_to_f32(smax) * 0.015625
-    return cast(w, tl.float8e4nv, EMULATE), col
-
-
-@triton.jit
-def _bf16_bits_to_f32(w):
-    """bf16 -> fp32 by bits: the interpreter's bf16 -> fp32 conversion flushes subnormals."""
-    return (w.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _dequant_kernel(w_ptr, s_ptr, out_ptr, n_rows, k, E4M3: tl.constexpr, NK: tl.constexpr,
-                    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE: tl.constexpr):
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k0 = tl.program_id(1) * BLOCK_K
-    kh = tl.arange(0, BLOCK_K // 2)
-    kg = tl.arange(0, BLOCK_K // 32)
-    kk = k0 + tl.arange(0, BLOCK_K)
-    n64 = n.to(tl.int64)
-    n_ok = n < n_rows
-    if NK:  # the swap GEMMs' tiles [BLOCK_N, BLOCK_K]
-        wb = tl.load(w_ptr + n64[:, None] * (k // 2) + k0 // 2 + kh[None, :],
-                     mask=n_ok[:, None] & ((k0 // 2 + kh) < k // 2)[None, :], other=0)
-        sb = tl.load(s_ptr + n64[:, None] * (k // 32) + k0 // 32 + kg[None, :],
-                     mask=n_ok[:, None] & ((k0 // 32 + kg) < k // 32)[None, :], other=0)
-        if E4M3:
-            q, col = tile_e4m3_nk(wb, sb, BLOCK_N, BLOCK_K, EMULATE)
-            w = q.to(tl.float32) * col[:, None]
-        else:
-            w = _bf16_bits_to_f32(tile_bf16_nk(wb, sb, BLOCK_N, BLOCK_K, EMULATE))
-        tl.store(out_ptr + n64[:, None] * k + kk[None, :], w, mask=n_ok[:, None] & (kk < k)[None, :])
+def _halves(o, INTERP: tl.constexpr):
+    """uint32 bf16x2 -> [..., 2] (low, high) as bf16, or as fp32 with the same bits when interpreting."""
+    if INTERP:
+        pair = tl.join((o << 16).to(tl.float32, bitcast=True), (o & 0xFFFF0000).to(tl.float32, bitcast=True))
     else:
-        wb = tl.load(w_ptr + n64[None, :] * (k // 2) + k0 // 2 + kh[:, None],
-                     mask=n_ok[None, :] & ((k0 // 2 + kh) < k // 2)[:, None], other=0)
-        sb = tl.load(s_ptr + n64[None, :] * (k // 32) + k0 // 32 + kg[:, None],
-                     mask=n_ok[None, :] & ((k0 // 32 + kg) < k // 32)[:, None], other=0)
-        if E4M3:
-            q, col = tile_e4m3(wb, sb, BLOCK_K, BLOCK_N, EMULATE)
-            w = q.to(tl.float32) * col[None, :]
-        else:
-            w = _bf16_bits_to_f32(tile_bf16(wb, sb, BLOCK_K, BLOCK_N, EMULATE))
-        tl.store(out_ptr + n64[None, :] * k + kk[:, None], w, mask=n_ok[None, :] & (kk < k)[:, None])
+        pair = tl.join((o & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True),
+                       (o >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True))
+    return pair
 
 
-def dequantize(packed: torch.Tensor, scales: torch.Tensor, *, e4m3: bool, nk: bool = False, block_k: int = 128,
-               block_n: int = 32) -> torch.Tensor:
-    """fp32 [N, K] from packed [N, K/2] and e8m0 [N, K/32] through the kernels' tile decoders.
+@triton.jit
+def tile_scales(swords, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Scale words [NB, KB, 8] -> e8m0 as int32 [BLOCK_N, BLOCK_K / 32]."""
+    NB: tl.constexpr = BLOCK_N // 16
+    KB: tl.constexpr = BLOCK_K // 64
+    s = swords.to(tl.uint32, bitcast=True)
+    # bytes (h, jg) = 2h + jg, little-endian -> [NB, KB, g, h, jg]
+    sb = tl.join(tl.join(s & 255, (s >> 16) & 255), tl.join((s >> 8) & 255, s >> 24))
+    return tl.reshape(tl.permute(sb, (0, 3, 2, 1, 4)), (BLOCK_N, BLOCK_K // 32)).to(tl.int32)
 
-    e4m3=False: the a16w4 bf16 tile; e4m3=True: the a8w4 (e4m3 tile) * column scale. nk: the
-    swap GEMMs' [BLOCK_N, BLOCK_K] decoders (`*_nk`) instead of the [BLOCK_K, BLOCK_N] ones.
-    Tests compare it bit for bit with formats.dequantize_mxfp4.
+
+@triton.jit
+def tile_bf16(words, swords, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BIG: tl.constexpr, INTERP: tl.constexpr):
+    """Dequantized bf16 tile [BLOCK_N, BLOCK_K] (rows n, columns k), bit-exact."""
+    NB: tl.constexpr = BLOCK_N // 16
+    KB: tl.constexpr = BLOCK_K // 64
+    w = words.to(tl.uint32, bitcast=True)
+    o0 = w & MASK
+    o1 = (w << 3) & MASK
+    o2 = (w << 6) & MASK
+    o3 = ((w >> 8) & OUT3_R8) | ((w >> 3) & OUT3_R3) | ((w << 2) & OUT3_L2)
+    v = _halves(tl.join(tl.join(o0, o2), tl.join(o1, o3)), INTERP)  # [NB, KB, lane, j, c, h, e]
+    v = tl.reshape(v, (NB, KB, 8, 4, 4, 2, 2, 2))  # nb kb g q j c h e
+    v = tl.reshape(tl.permute(v, (0, 6, 2, 1, 4, 5, 3, 7)), (BLOCK_N, BLOCK_K // 32, 32))  # nb h g | kb j c q e
+    s = tile_scales(swords, BLOCK_N, BLOCK_K)
+    if BIG:  # 2^(s-1) overflows bf16 above 128: 2^(s-128) * 2^127 there
+        e = tl.where(s > 128, s - 1, s + 126)
+    else:
+        e = s + 126
+    if INTERP:
+        f = tl.where(s == 255, float("nan"), ((e.to(tl.uint32) << 23).to(tl.float32, bitcast=True)))
+    else:
+        f = tl.where(s == 255, 0x7FC0, e << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    out = v * f[:, :, None]
+    if BIG:
+        out = out * tl.where(s > 128, 1.7014118346046923e38, 1.0)[:, :, None]  # 2^127 where s > 128
+    out = tl.reshape(out, (BLOCK_N, BLOCK_K))
+    if INTERP:
+        out = cast(out, tl.bfloat16, INTERP)
+    else:
+        out = out.to(tl.bfloat16)
+    return out
+
+
+@triton.jit
+def swap_step(acc, a, a_s, w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks, BLOCK_N: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, BIG: tl.constexpr,
+              INTERP: tl.constexpr):
+    """acc^T [BLOCK_N, BLOCK_M] plus one K step of W @ a^T: a is [BLOCK_K, BLOCK_M] bf16, or (FP8)
+    e4m3 with per-token scales a_s, exact in bf16, the scale applied to the step's product."""
+    words, swords = load_tile(w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks)
+    w = tile_bf16(words, swords, BLOCK_N, BLOCK_K, BIG, INTERP)
+    if FP8:
+        step = dot(w, a.to(tl.bfloat16), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), INTERP)
+        acc = acc + step * a_s[None, :]
+    else:
+        acc = dot(w, a, acc, INTERP)
+    return acc
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, out_ptr, n_rows, k, row_blocks, k_blocks, BIG: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERP: tl.constexpr):
+    pid_n = tl.program_id(0)
+    k0 = tl.program_id(1) * BLOCK_K
+    w_off, s_off, nb_ok, kb = tile_offsets(tl.program_id(2).to(tl.int64), pid_n, row_blocks, k_blocks, BLOCK_N, BLOCK_K)
+    words, swords = load_tile(w_ptr, s_ptr, w_off + (k0 // 64) * 128, s_off + (k0 // 64) * 8, nb_ok, kb, k0, k_blocks)
+    w = tile_bf16(words, swords, BLOCK_N, BLOCK_K, BIG, INTERP)
+    if INTERP:  # bf16 -> fp32 by bits: the interpreter's conversion flushes subnormals
+        full = (w.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        full = w.to(tl.float32)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = k0 + tl.arange(0, BLOCK_K)
+    base = out_ptr + tl.program_id(2).to(tl.int64) * n_rows * k
+    tl.store(base + n.to(tl.int64)[:, None] * k + kk[None, :], full, mask=(n < n_rows)[:, None] & (kk < k)[None, :])
+
+
+def words(t: torch.Tensor) -> torch.Tensor:
+    """An MX tile tensor (uint8, last dim a multiple of 4) as the int32 words the kernels read."""
+    return t.view(torch.int32)
+
+
+def launch_args(gemm: str, name: str, values: torch.Tensor, scales: torch.Tensor, n: int, k: int, block_n: int,
+                block_k: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """Check [E, ...] MX tiles of an [n, k] weight and the tile; (value words, scale words, row blocks, k blocks)."""
+    want_v, want_s = mx_tiles.tiled_shapes(n, k)
+    if tuple(values.shape[1:]) != want_v or tuple(scales.shape[1:]) != want_s:
+        raise ValueError(f"{gemm}: MX tiles {name} {tuple(values.shape)} / scales {tuple(scales.shape)} do not fit "
+                         f"an [{n}, {k}] weight: expected [E, {', '.join(map(str, want_v))}] / "
+                         f"[E, {', '.join(map(str, want_s))}]")
+    if block_n % mx_tiles.ROWS or block_k % mx_tiles.KS:
+        raise ValueError(f"MXFP4 {gemm} needs block_n % 16 == 0 and block_k % 64 == 0 (whole MX tile blocks), "
+                         f"got block_n={block_n}, block_k={block_k}")
+    return words(values), words(scales), want_v[0], want_v[1]
+
+
+def dequantize(values: torch.Tensor, scales: torch.Tensor, n: int, k: int, *, big: bool | None = None,
+               block_n: int = 32, block_k: int = 128) -> torch.Tensor:
+    """fp32 [..., n, k] from MX tiles through the kernels' decoder (tests: bit-exact vs the reference).
+
+    big: the scales-above-128 path (default: on iff any scale byte is above 128).
     """
-    n_rows, k = packed.shape[0], packed.shape[1] * 2
-    if scales.shape != (n_rows, k // SCALE_BLOCK):
-        raise ValueError(f"scales {tuple(scales.shape)} do not match packed {tuple(packed.shape)}")
-    out = torch.empty(n_rows, k, dtype=torch.float32, device=packed.device)
-    grid = (triton.cdiv(n_rows, block_n), triton.cdiv(k, block_k))
-    _dequant_kernel[grid](packed.contiguous(), scales.contiguous(), out, n_rows, k, E4M3=e4m3, NK=nk,
-                          BLOCK_K=block_k, BLOCK_N=block_n, EMULATE=interpreting())
+    want_v, want_s = mx_tiles.tiled_shapes(n, k)
+    if tuple(values.shape[-3:]) != want_v or tuple(scales.shape[-3:]) != want_s:
+        raise ValueError(f"MX tiles {tuple(values.shape)} / {tuple(scales.shape)} do not fit [{n}, {k}]")
+    lead = values.shape[:-3]
+    experts = int(torch.tensor(lead).prod()) if lead else 1
+    if big is None:
+        big = bool((scales > 128).any())
+    out = torch.empty(*lead, n, k, dtype=torch.float32, device=values.device)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k), experts)
+    _dequant_kernel[grid](words(values.contiguous()), words(scales.contiguous()), out, n, k, want_v[0], want_v[1],
+                          BIG=big, BLOCK_N=block_n, BLOCK_K=block_k, INTERP=interpreting())
     return out

@@ -62,9 +62,10 @@ class TileConfig:
         if scheme in FP8_ACT and (self.block_n1, self.block_k1, self.block_k2) != (256, 128, 128):
             raise ConfigError(f"{scheme} needs block_n1=256, block_k1=128, block_k2=128 (whole 128-groups), got "
                               f"{self.block_n1}, {self.block_k1}, {self.block_k2}")
-        if scheme in MXFP4 and min(self.block_k1, self.block_k2) < 32:
-            raise ConfigError(f"{scheme} needs block_k1, block_k2 >= 32 (whole e8m0 scale blocks), got "
-                              f"{self.block_k1}, {self.block_k2}")
+        if scheme in MXFP4 and (self.block_n1 % 16 or self.block_n2 % 16 or self.block_k1 % 64 or self.block_k2 % 64):
+            raise ConfigError(f"{scheme} needs block_n1, block_n2 multiples of 16 and block_k1, block_k2 multiples "
+                              f"of 64 (whole MX tile blocks), got n {self.block_n1}, {self.block_n2}, "
+                              f"k {self.block_k1}, {self.block_k2}")
 
 
 FP8_ACT = ("fp8", "a8w4")  # e4m3 activations per token-group-128: whole groups per tile
@@ -129,8 +130,10 @@ def heuristic(scheme: str, hidden: int, inter: int, num_experts: int, top_k: int
     that won most often in the H200 tuning (kernels/configs/nvidia_h200.csv)."""
     rows = tokens * top_k / max(1, num_experts)  # rows per expert under uniform routing
     bm = 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 128 else 128
-    # MXFP4 schemes start from their activation twin's tiles (a8w4 ~ fp8, a16w4 ~ bf16); their
-    # own H200 rows come from `atom-moe bench --tune` (not measured yet).
+    # MXFP4 schemes start from their activation twin's tiles (a8w4 ~ fp8, a16w4 ~ bf16), all of
+    # them whole MX tile blocks; their own H200 rows come from `atom-moe tune`.
+    if scheme == "a8w4":  # its two fp32 accumulators spill above 32 x 256 (sm_90 SASS)
+        return TileConfig(min(bm, 32), 256, 128, 8, 3, 128, 128, 8, 3)
     if scheme in FP8_ACT:  # BLOCK_M 128 with a 256-wide fp32 tile spills: cap at 64
         if bm <= 32:
             return TileConfig(bm, 256, 128, 4, 4, 128, 128, 4, 4)

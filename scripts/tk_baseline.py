@@ -54,6 +54,7 @@ from atom_moe.accuracy import rel
 from atom_moe.layout import GateUpKind, GateUpLayout, GateUpTensor
 from atom_moe.reference import ReferenceWeights, reference_moe
 from atom_moe.spec import Activation, ActivationKind, MoESpec
+from atom_moe.weights import plain_mxfp4
 
 ALPHA, LIMIT = 1.702, 7.0  # gpt-oss SwiGLU, as vLLM passes to triton_kernels
 MAX_REL_ERR = 2e-2  # bf16 activations and bf16 intermediate: errors of a few 1e-3 expected
@@ -191,9 +192,12 @@ class TritonKernelsMoE:
         # vLLM sets this on sm_90 before building the weights (mxfp4 + scatter never split K anyway)
         opt_flags.update_opt_flags_constraints({"split_k": 1})
         self.E, self.k, self.H, self.I = spec.num_local_experts, spec.top_k, spec.hidden_size, spec.intermediate_size
-        # our w13 rows are INTERLEAVED [g0, u0, g1, ...]: the pairing triton_kernels' swiglu_fn reads
-        self.w1, self.pc1 = tk_weight(weights.w13.data, weights.w13_scale.data, layout)
-        self.w2, self.pc2 = tk_weight(weights.w2, weights.w2_scale, layout)
+        # our w13 rows are INTERLEAVED [g0, u0, g1, ...]: the pairing triton_kernels' swiglu_fn reads.
+        # Ours are MX tiles: triton_kernels gets the plain MXFP4 they untile to (same bytes, same meaning)
+        q13, s13, q2, s2 = plain_mxfp4(weights)
+        self.w1, self.pc1 = tk_weight(q13.data, s13.data, layout)
+        self.w2, self.pc2 = tk_weight(q2, s2, layout)
+        del q13, s13, q2, s2
         self.act = swiglu_act()
 
     def inputs(self, w: torch.Tensor, ids: torch.Tensor, x: torch.Tensor, select: bool) -> dict:
@@ -223,7 +227,8 @@ def check_format(weights) -> None:
     # their torch decode defines their format; it is also free of kernel-specific masking questions
     from triton_kernels.numerics_details.mxfp import upcast_from_mxfp_torch
     from atom_moe import formats
-    q, s = weights.w13.data[:1], weights.w13_scale.data[:1]
+    q13, s13, _, _ = plain_mxfp4(weights, slice(0, 1))  # our MX tiles, untiled: checkpoint-form bytes
+    q, s = q13.data, s13.data
     theirs = upcast_from_mxfp_torch(q, s, torch.float32, axis=-1)
     ours = formats.dequantize_mxfp4(q, s)
     if not torch.equal(theirs, ours):
@@ -236,8 +241,8 @@ def reference_for(weights, topk_ids: torch.Tensor) -> ReferenceWeights:
     hit = torch.unique(topk_ids.long()).tolist()
     sub = dataclasses.replace(
         weights, local_experts=tuple(weights.local_experts[e] for e in hit), num_local_experts=len(hit),
-        w13=GateUpTensor(weights.w13.data[hit], GateUpLayout.INTERLEAVED),
-        w13_scale=GateUpTensor(weights.w13_scale.data[hit], GateUpLayout.INTERLEAVED, GateUpKind.ROWS),
+        w13=GateUpTensor(weights.w13.data[hit], GateUpLayout.INTERLEAVED, GateUpKind.MX_TILES),
+        w13_scale=GateUpTensor(weights.w13_scale.data[hit], GateUpLayout.INTERLEAVED, GateUpKind.MX_TILES),
         w2=weights.w2[hit], w2_scale=weights.w2_scale[hit])
     return ReferenceWeights.from_prepared(sub)
 
@@ -301,6 +306,8 @@ def diagnose(args) -> int:
     gen.manual_seed(0)
     weights = bench.random_weights(spec)
     check_format(weights)
+    q13, s13, q2, s2 = plain_mxfp4(weights)  # triton_kernels takes plain MXFP4 (small shape: all experts)
+    q13, s13 = q13.data, s13.data
     w, ids = sorted_routing(T, spec, "uniform", gen)
     # token 0 on experts whose id % 32 is 15, 16, 31: the ones an int16 bitmatrix pack gets wrong
     ids[0] = torch.tensor([15, 16, 31, E - 1], device=ids.device, dtype=ids.dtype)
@@ -325,7 +332,7 @@ def diagnose(args) -> int:
 
     # fp32 references, all from atom_moe's decode of the same bytes (independent of triton_kernels' layouts)
     e = E - 1
-    w13_e = formats.dequantize_mxfp4(weights.w13.data[e], weights.w13_scale.data[e])  # [2I, H], interleaved rows
+    w13_e = formats.dequantize_mxfp4(q13[e], s13[e])  # [2I, H], interleaved rows
     refw = reference_for(weights, ids)
     flat = ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)  # expert-sorted row -> slot
@@ -343,7 +350,7 @@ def diagnose(args) -> int:
     layer_ref = reference_moe(x, sparse.vals.float(), ids.long(), refw, spec.activation)
 
     def gemm1_plain(layout):
-        wt, pc = tk_weight(weights.w13.data[e:e + 1], weights.w13_scale.data[e:e + 1], layout)
+        wt, pc = tk_weight(q13[e:e + 1], s13[e:e + 1], layout)
         y = matmul_ogs(x, wt, None, precision_config=pc).reshape(T, 2 * I).float()
         ref = x.float() @ w13_e.T
         col_ok = ((y - ref).norm(dim=0) <= MAX_REL_ERR * ref.norm(dim=0)).float().mean().item()
@@ -353,7 +360,7 @@ def diagnose(args) -> int:
                     f"{rel(y, x.float() @ w13_e):.2e}"
 
     def gemm1_gather(layout):
-        wt, pc = tk_weight(weights.w13.data, weights.w13_scale.data, layout)
+        wt, pc = tk_weight(q13, s13, layout)
         y = matmul_ogs(x, wt, None, rdata, gather_indx=gather, precision_config=pc,
                        fused_activation=swiglu_act()).reshape(T * k, I).float()
         swapped = apply_activation(torch.einsum("ph,pih->pi", xs, refw.up[rows]),
@@ -362,7 +369,7 @@ def diagnose(args) -> int:
         return err, f"rel err {err:.2e}; vs gate/up swapped {rel(y, swapped):.2e}"
 
     def gemm2_scatter(layout):
-        wt, pc = tk_weight(weights.w2, weights.w2_scale, layout)
+        wt, pc = tk_weight(q2, s2, layout)
         y = matmul_ogs(inter_in, wt, None, rdata, scatter_indx=scatter, precision_config=pc,
                        gammas=rdata.gate_scal).reshape(T, H).float()
         err = rel(y, y2_ref)

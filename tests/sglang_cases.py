@@ -122,6 +122,7 @@ def test_weights_built_and_originals_released(runtime, scheme):
     c.process(layer)
     state = layer.atom_moe
     assert state.weights.num_local_experts == c.E and state.plan.spec.local_experts == tuple(range(c.E))
+    assert state.weights.w13.kind.value == ("mx_tiles" if scheme == "mxfp4" else "rows")  # no plain MXFP4 kept
     assert state.plan.tokens == 512  # --chunked-prefill-size (no graphs on the CPU)
     assert not [n for n, _ in layer.named_parameters() if n.startswith(("w13", "w2"))]
     gc.collect()

@@ -265,14 +265,17 @@ def test_fused_experts_matches_reference(seed, case):
 @pytest.mark.parametrize("scheme", ["bf16", "fp8", "a16w4", "a8w4"])
 def test_tile_configs_agree(seed, scheme):
     # every BLOCK_M / tile shape computes the same function (padding, partial tiles, K tails)
-    # MXFP4: multiples of 32, smaller (the interpreter's decode is slow)
+    # MXFP4: smaller (the interpreter's decode is slow)
     H, I, T = (160, 96, 13) if scheme in ("a16w4", "a8w4") else (200, 136, 29)
     spec, p = make_layer(H, I, 6, 3, scheme, device=DEVICE)
     w, ids = make_routing(T, 6, 3, mode="sentinels", device=DEVICE)
     x = torch.randn(T, H, device=DEVICE).to(torch.bfloat16)
     twin = experts_torch(x, w, ids, p, spec)
     base = heuristic(scheme, H, I, 6, 3, T)
+    mx = scheme in ("a16w4", "a8w4")  # MX tiles: whole 16 x 64 blocks
     for bm, n2, k in ((16, 32, 32), (32, 64, 64), (64, 128, 128)):
+        if mx:
+            k = max(k, 64)
         n1, k1, k2 = (256, 128, 128) if scheme in ("fp8", "a8w4") else (32, k, k)
         cfg = TileConfig(bm, n1, k1, base.warps1, 2, n2, k2, base.warps2, 2, group_m=2)
         got = fused_experts(x, w, ids, p, spec, config=cfg)
@@ -395,8 +398,8 @@ def test_bad_inputs_name_the_problem(seed, monkeypatch):
     for scheme in ("fp8", "a8w4"):
         with pytest.raises(ValueError, match=f"{scheme} needs block_n1=256"):
             TileConfig(16, 128, 128, 4, 2, 128, 128, 4, 2).check(scheme)
-    with pytest.raises(ValueError, match="a16w4 needs block_k1, block_k2 >= 32"):
-        TileConfig(16, 128, 16, 4, 2, 128, 64, 4, 2).check("a16w4")
+    with pytest.raises(ValueError, match="a16w4 needs block_n1, block_n2 multiples of 16 and block_k1"):
+        TileConfig(16, 128, 32, 4, 2, 128, 64, 4, 2).check("a16w4")
 
 
 # ---------------------------------------------------------------- MXFP4 tile decoders
@@ -405,45 +408,30 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(((a == b) & (torch.signbit(a) == torch.signbit(b)) | (a.isnan() & b.isnan())).all())
 
 
-@pytest.mark.parametrize("nk", [False, True], ids=["kn", "nk_swap"])
-def test_mxfp4_decoders_bit_exact(seed, nk):
-    # The kernels' in-register dequant equals formats.dequantize_mxfp4 bit for bit (both tile
-    # orientations: [BLOCK_K, BLOCK_N], and [BLOCK_N, BLOCK_K] of the SWAP GEMMs): every
-    # byte value (all 16 x 16 code pairs), every e8m0 byte (0 = 2^-127 subnormal ... 254, and
-    # 0xFF = NaN), K not a multiple of 128 (tail tile) and partial column tiles.
+@pytest.mark.parametrize("block_n", [16, 64])
+def test_mxfp4_decoders_bit_exact(seed, block_n):
+    # The kernels' in-register dequant of MX tiles equals formats.dequantize_mxfp4 bit for bit:
+    # every byte value (all 16 x 16 code pairs), every e8m0 byte (0 = 2^-127 subnormal ... 254,
+    # and 0xFF = NaN, both scale paths), N and K not multiples of the tile block (padding), and
+    # partial tiles.
+    from atom_moe import mx_tiles
     from atom_moe.kernels import mxfp4
-    N, K = 37, 288
-    packed = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8)
-    packed[0, :] = torch.arange(144, dtype=torch.uint8)
-    packed[1, :] = torch.arange(112, 256, dtype=torch.uint8)
-    scales = torch.randint(0, 256, (N, K // 32), dtype=torch.uint8)
-    scales[:, :2] = torch.tensor([0, 255], dtype=torch.uint8)
-    want = formats.dequantize_mxfp4(packed, scales)
+    E, N, K = 2, 37, 288
+    packed = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8)
+    packed[0, 0, :] = torch.arange(144, dtype=torch.uint8)
+    packed[1, 1, :] = torch.arange(112, 256, dtype=torch.uint8)
+    scales = torch.randint(0, 256, (E, N, K // 32), dtype=torch.uint8)
+    scales[:, :, :2] = torch.tensor([0, 255], dtype=torch.uint8)
 
-    def run(p, sc, e4m3):  # the kernels' decoders on DEVICE, compared on the host
-        return mxfp4.dequantize(p.to(DEVICE), sc.to(DEVICE), e4m3=e4m3, nk=nk).cpu()
+    def run(sc, big=None):  # the kernels' decoder on DEVICE, compared on the host
+        values, tiles = mx_tiles.tile(packed, sc)
+        return mxfp4.dequantize(values.to(DEVICE), tiles.to(DEVICE), N, K, big=big, block_n=block_n).cpu()
 
-    assert _same_bits(run(packed, scales, False), want)  # a16w4's bf16 tile
+    assert _same_bits(run(scales), formats.dequantize_mxfp4(packed, scales))  # scales above 128 too
+    small = scales % 129  # the one-multiply path covers every byte up to 128 ...
+    assert _same_bits(run(small, big=False), formats.dequantize_mxfp4(packed, small))
+    assert _same_bits(run(small, big=True), formats.dequantize_mxfp4(packed, small))  # ... as does BIG's
 
-    # a8w4: e4m3 tile x per-column base is exact whenever a 128-K step's scales span <= 14
-    # binades (checkpoints: always); NaN scales propagate.
-    base = torch.randint(1, 240, (N, 1), dtype=torch.int32)
-    spread = torch.randint(0, 15, (N, K // 32), dtype=torch.int32)
-    s8 = (base + spread).to(torch.uint8)
-    s8[3, 4] = 255
-    want = formats.dequantize_mxfp4(packed, s8)
-    got = run(packed, s8, True)
-    assert _same_bits(got[:, :128], want[:, :128]) and _same_bits(got[:, 256:], want[:, 256:])
-    assert got[3, 128:256].isnan().all() and _same_bits(got[torch.arange(N) != 3], want[torch.arange(N) != 3])
-    # wider spreads round the smallest blocks onto the e4m3 grid: small absolute error only
-    wide = torch.randint(100, 140, (N, K // 32), dtype=torch.uint8)
-    got, want = run(packed, wide, True), formats.dequantize_mxfp4(packed, wide)
-    si = wide.int()
-    smax = torch.cat([si[:, g:g + 4].amax(1, keepdim=True).expand(-1, si[:, g:g + 4].shape[1])
-                      for g in range(0, si.shape[1], 4)], dim=1)  # max over each 128-K step
-    exact = (si >= smax - 14).repeat_interleave(32, dim=1)
-    assert _same_bits(got[exact], want[exact]) and (~exact).any()
-    assert ((got - want)[~exact].abs() <= 2.0 ** -8 * want.abs().amax()).all()
 
 
 def test_bench_floor_counts_mxfp4_bytes():

@@ -127,8 +127,9 @@ def test_no_host_sync_and_three_launches(seed, scheme):
 
 @pytest.mark.parametrize("scheme", ["a16w4", "a8w4"])
 def test_int64_offsets_mxfp4(seed, scheme):
-    # packed w13 holds > 2**31 bytes: the high experts' rows start past 2**31. Random codes and
-    # scales are built directly (quantizing 9 GB of bf16 would dominate the test).
+    # the w13 MX tiles hold > 2**31 bytes: the high experts' blocks start past 2**31. Random tile
+    # bytes are built directly (quantizing 9 GB of bf16 would dominate the test); with H and I
+    # multiples of 64 there is no padding, so every byte is a real code or scale.
     from atom_moe.experts_torch import experts_torch
     from atom_moe.layout import GateUpKind, GateUpLayout, GateUpTensor
     from atom_moe.spec import MoESpec
@@ -137,13 +138,14 @@ def test_int64_offsets_mxfp4(seed, scheme):
     H, I, E, k = 4096, 2048, 264, 2
     assert E * 2 * I * H // 2 > 2**31
     spec = MoESpec(hidden_size=H, intermediate_size=I, num_experts=E, top_k=k, scheme=scheme)
-    w13 = torch.randint(0, 256, (E, 2 * I, H // 2), dtype=torch.uint8, device="cuda")
-    w2 = torch.randint(0, 256, (E, H, I // 2), dtype=torch.uint8, device="cuda")
-    s13 = torch.randint(116, 122, (E, 2 * I, H // 32), dtype=torch.uint8, device="cuda")  # ~2^-8: unit-ish rows
-    s2 = torch.randint(117, 123, (E, H, I // 32), dtype=torch.uint8, device="cuda")
+    u8 = dict(dtype=torch.uint8, device="cuda")
+    w13 = torch.randint(0, 256, (E, 2 * I // 16, H // 64, 512), **u8)
+    w2 = torch.randint(0, 256, (E, H // 16, I // 64, 512), **u8)
+    s13 = torch.randint(116, 122, (E, 2 * I // 16, H // 64, 32), **u8)  # ~2^-8: unit-ish rows
+    s2 = torch.randint(117, 123, (E, H // 16, I // 64, 32), **u8)
     p = PreparedWeights(spec.scheme, H, I, E, tuple(range(E)), E, torch.arange(E, dtype=torch.int32, device="cuda"),
-                        GateUpTensor(w13, GateUpLayout.INTERLEAVED),
-                        GateUpTensor(s13, GateUpLayout.INTERLEAVED, GateUpKind.ROWS), w2, s2)
+                        GateUpTensor(w13, GateUpLayout.INTERLEAVED, GateUpKind.MX_TILES),
+                        GateUpTensor(s13, GateUpLayout.INTERLEAVED, GateUpKind.MX_TILES), w2, s2)
     T = 33
     ids = torch.stack([torch.randperm(8)[:k] + E - 8 for _ in range(T)]).to(torch.int32).cuda()
     ids[:, 0] = torch.randint(0, E, (T,), dtype=torch.int32).cuda()

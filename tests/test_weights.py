@@ -14,7 +14,8 @@ from atom_moe.layout import GateUpKind, GateUpLayout, LayoutError
 from atom_moe.presets import preset, scaled_down
 from atom_moe.reference import ReferenceWeights
 from atom_moe.spec import MoESpec, Scheme
-from atom_moe.weights import PreparedWeights, WeightError, prepare_gpt_oss, prepare_hf_experts, prepare_stacked
+from atom_moe.weights import (PreparedWeights, WeightError, plain_mxfp4, prepare_gpt_oss, prepare_hf_experts,
+                              prepare_stacked)
 
 INT = GateUpLayout.INTERLEAVED
 PREFIX = "model.layers.3.mlp.experts"
@@ -192,12 +193,15 @@ def test_prepare_gpt_oss_bit_exact(seed, scheme, rank, world):
     local = list(spec.local_experts)
     assert p.local_experts == tuple(local) and p.num_local_experts == len(local)
     assert p.expert_map.tolist() == [local.index(e) if e in local else -1 for e in range(4)]
-    # stored as-is (already interleaved, already MXFP4)
+    # stored as MX tiles of the checkpoint bytes (already interleaved, already MXFP4): untiled, the same bits
     blocks13, scales13 = src[f"{PREFIX}.gate_up_proj_blocks"][local], src[f"{PREFIX}.gate_up_proj_scales"][local]
     blocks2, scales2 = src[f"{PREFIX}.down_proj_blocks"][local], src[f"{PREFIX}.down_proj_scales"][local]
-    assert same(p.w13.data, blocks13.flatten(-2)) and p.w13.layout is INT
-    assert same(p.w13_scale.data, scales13) and p.w13_scale.kind is GateUpKind.ROWS
-    assert same(p.w2, blocks2.flatten(-2)) and same(p.w2_scale, scales2)
+    assert p.w13.layout is INT and p.w13.kind is GateUpKind.MX_TILES and p.w13_scale.kind is GateUpKind.MX_TILES
+    q13, s13, q2, s2 = plain_mxfp4(p)
+    assert same(q13.data, blocks13.flatten(-2)) and q13.layout is INT
+    assert same(s13.data, scales13) and s13.kind is GateUpKind.ROWS and s13.layout is INT
+    assert same(q2, blocks2.flatten(-2)) and same(s2, scales2)
+    assert p.mx_scale_max == max(int(scales13.max()), int(scales2.max()))
     # dequantized: bit-exact with an independent decode + de-interleave
     ref = ReferenceWeights.from_prepared(p)
     full13 = my_dequant_mxfp4(blocks13, scales13)
@@ -207,7 +211,7 @@ def test_prepare_gpt_oss_bit_exact(seed, scheme, rank, world):
     b13 = src[f"{PREFIX}.gate_up_proj_bias"][local].float()
     assert same(ref.gate_bias, b13[:, 0::2]) and same(ref.up_bias, b13[:, 1::2])
     assert same(ref.down_bias, src[f"{PREFIX}.down_proj_bias"][local].float())
-    assert same(F.dequantize_mxfp4(p.w13.data, p.w13_scale.data), full13)
+    assert same(F.dequantize_mxfp4(q13.data, s13.data), full13)
 
 
 def test_prepare_gpt_oss_errors(seed):
@@ -235,18 +239,22 @@ def test_bf16_source_converted_with_pinned_rules(seed, scheme):
     down = (torch.randn(E, H, I) * 0.01).bfloat16()
     p = prepare_stacked(spec, torch.cat((gate, up), 1), down, layout="separated")
     p.check(spec)
+    if scheme == "fp8":
+        w13, s13, w2, s2 = p.w13.data, p.w13_scale.data, p.w2, p.w2_scale
+    else:  # MX tiles: compare their plain form
+        t13, ts13, w2, s2 = plain_mxfp4(p)
+        w13, s13 = t13.data, ts13.data
     for j, e in enumerate(spec.local_experts):
         if scheme == "fp8":
             (qg, sg), (qu, su) = F.quantize_fp8_block(gate[e]), F.quantize_fp8_block(up[e])
-            q2, s2 = F.quantize_fp8_block(down[e])
-            assert same(p.w13_scale.data[j], torch.stack((sg, su), 1))
+            q2, qs2 = F.quantize_fp8_block(down[e])
+            assert same(s13[j], torch.stack((sg, su), 1))
         else:
             (qg, sg), (qu, su) = F.quantize_mxfp4(gate[e]), F.quantize_mxfp4(up[e])
-            q2, s2 = F.quantize_mxfp4(down[e])
-            assert same(p.w13_scale.data[j], inter(sg, su, 0))
-        assert same(p.w13.data[j], inter(qg, qu, 0))
-        assert same(p.w2[j], q2) and same(p.w2_scale[j], s2)
-
+            q2, qs2 = F.quantize_mxfp4(down[e])
+            assert same(s13[j], inter(sg, su, 0))
+        assert same(w13[j], inter(qg, qu, 0))
+        assert same(w2[j], q2) and same(s2[j], qs2)
 
 def test_fp8_scales_when_i_is_not_a_multiple_of_128(seed):
     # gate and up are blocked separately: ceil(I/128) block rows each, not ceil(2I/128)

@@ -37,7 +37,7 @@ from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4Config  # n
 from vllm.plugins import load_general_plugins  # noqa: E402
 
 from atom_moe import formats  # noqa: E402
-from atom_moe.layout import GateUpLayout  # noqa: E402
+from atom_moe.layout import GateUpKind, GateUpLayout  # noqa: E402
 from atom_moe.reference import ReferenceWeights, reference_moe  # noqa: E402
 from atom_moe.spec import Activation, ActivationKind, MoESpec, Scheme  # noqa: E402
 
@@ -314,6 +314,7 @@ def test_weights_load_release_and_forward(configs, scheme, seed):
     prepared = experts.atom_moe_weights
     assert prepared is experts.quant_method.weights
     assert prepared.w13.layout is GateUpLayout.INTERLEAVED and prepared.num_local_experts == E
+    assert prepared.w13.kind is (GateUpKind.MX_TILES if scheme == "mxfp4" else GateUpKind.ROWS)  # no plain MXFP4 kept
     x = torch.randn(37, H, generator=gen).bfloat16()
     logits = torch.randn(37, E, generator=gen)
     out = forward(cfg, runner, x, logits)
