@@ -1,0 +1,161 @@
+"""Compile the fused-experts GEMMs for an H100/H200 (sm_90a) on this machine, no GPU needed, and count
+the SASS of their K loop: registers, spills, instructions per weight, the mix, and whether the
+loads are pipelined (cp.async, LDGSTS) or plain (LDG) inside the loop.
+
+How the MXFP4 tile layout (atom_moe/mx_tiles.py) was found: the K loop went from 11-12.5 to
+3.7-4.8 instructions per weight (kernels/mxfp4.py). Per-weight counts are per thread-instruction:
+an H200 issues about 33e12 of them per second (132 SMs x 4 schedulers x 32 lanes x ~1.98 GHz),
+so N instructions per weight cap weight streaming at about 33e12 / N weights per second.
+
+    python scripts/kernel_sass.py gemm1 --scheme a16w4 --block-m 16 --block-n 64 --block-k 128
+    python scripts/kernel_sass.py gemm2 --scheme bf16 --block-m 64 --block-n 128 --block-k 64 --sass out.sass
+
+Integer arguments are specialized as the launcher does for real shapes (divisible by 16), so the
+code matches what runs for H, I multiples of 16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+if os.environ.get("TRITON_INTERPRET") == "1":  # @triton.jit would give interpreter functions, not compilable ones
+    sys.exit("kernel_sass.py compiles the real kernels: run it without TRITON_INTERPRET=1")
+
+from atom_moe.kernels.gemm1 import _gemm1_kernel  # noqa: E402
+from atom_moe.kernels.gemm2 import _gemm2_kernel  # noqa: E402
+
+TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+INSTR = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)")
+
+
+def _types(scheme: str) -> tuple[str, str]:
+    """(activation pointer type, weight pointer type) of a scheme, as the launchers pass them."""
+    act = "*fp8e4nv" if scheme in ("fp8", "a8w4") else "*bf16"
+    weight = {"bf16": "*bf16", "fp8": "*fp8e4nv"}.get(scheme, "*i32")  # MX tiles are read as int32 words
+    return act, weight
+
+
+def signature(kernel: str, scheme: str) -> tuple[object, dict, list[str]]:
+    """(kernel, argument types, arguments specialized as divisible by 16)."""
+    act, weight = _types(scheme)
+    if kernel == "gemm1":
+        sig = {"x_ptr": act, "stride_x": "i32", "xs_ptr": "*fp32", "w_ptr": weight, "ws_ptr": "*fp32" if scheme == "fp8"
+               else "*i32", "bias_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "out_ptr": act,
+               "outs_ptr": "*fp32", "num_pairs": "i32", "top_k": "i32", "hidden": "i32", "inter": "i32",
+               "n_blocks": "i32", "alpha": "fp32", "limit": "fp32", "row_blocks": "i32", "k_blocks": "i32"}
+        div = ["x_ptr", "stride_x", "xs_ptr", "w_ptr", "ws_ptr", "bias_ptr", "sorted_ptr", "block_expert_ptr",
+               "out_ptr", "outs_ptr", "hidden", "inter"]
+        return _gemm1_kernel, sig, div
+    sig = {"a_ptr": act, "as_ptr": "*fp32", "w_ptr": weight, "ws_ptr": "*fp32" if scheme == "fp8" else "*i32",
+           "bias_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "ids_ptr": "*i32",
+           "emap_ptr": "*i32", "topk_w_ptr": "*fp32", "partial_ptr": "*bf16", "counters_ptr": "*i32",
+           "n_counters": "i32", "out_ptr": "*bf16", "stride_out": "i32", "num_pairs": "i32", "num_experts": "i32",
+           "hidden": "i32", "inter": "i32", "n_blocks": "i32", "delta_ptr": "*i64", "info_ptr": "*i32",
+           "slots_ptr": "*bf16", "returned_ptr": "*bf16", "capacity": "i32", "rank": "i32", "row_blocks": "i32",
+           "k_blocks": "i32"}
+    div = ["a_ptr", "as_ptr", "w_ptr", "ws_ptr", "bias_ptr", "sorted_ptr", "block_expert_ptr", "ids_ptr", "emap_ptr",
+           "topk_w_ptr", "partial_ptr", "counters_ptr", "out_ptr", "stride_out", "hidden", "inter"]
+    return _gemm2_kernel, sig, div
+
+
+def constexprs(kernel: str, scheme: str, block_m: int, block_n: int, block_k: int, top_k: int) -> dict:
+    """The launchers' compile-time switches for a local-output, three-launch call."""
+    common = dict(FP8=scheme in ("fp8", "a8w4"), W4=scheme in ("a16w4", "a8w4"), BIG=False, HAS_BIAS=True,
+                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, INTERP=False)
+    if kernel == "gemm1":
+        return {**common, "OAI": True}
+    return {**common, "TOPK": top_k, "KP2": triton.next_power_of_2(top_k), "REMOTE": False, "SEPARATE": True}
+
+
+def loop_body(sass: str) -> list[str]:
+    """The instructions of the longest backward-branch loop (the K loop)."""
+    lines = sass.splitlines()
+    labels = {line.rstrip(":"): i for i, line in enumerate(lines) if re.match(r"^\.L_x_\d+:", line)}
+    best = None
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if m and m.group(1) in labels and labels[m.group(1)] < i:
+            if best is None or i - labels[m.group(1)] > best[1] - best[0]:
+                best = (labels[m.group(1)], i)
+    if best is None:
+        raise RuntimeError("no loop found in the SASS")
+    return [m.group(1) for line in lines[best[0]:best[1] + 1] if (m := INSTR.search(line))]
+
+
+def compile_sass(args: argparse.Namespace) -> tuple[dict, str]:
+    """Compile for sm_90a; return (report, SASS text)."""
+    fn, sig, div = signature(args.kernel, args.scheme)
+    ce = constexprs(args.kernel, args.scheme, args.block_m, args.block_n, args.block_k, args.top_k)
+    names = list(sig) + list(ce)
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in div}
+    src = ASTSource(fn, {**sig, **{k: "constexpr" for k in ce}}, constexprs=ce, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=args.warps, num_stages=args.stages))
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        Path(ptx).write_text(compiled.asm["ptx"])
+        Path(cubin).write_bytes(compiled.asm["cubin"])
+        info = subprocess.run([str(TOOLS / "ptxas"), "-arch=sm_90a", "-v", ptx, "-o", os.devnull],
+                              capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([str(TOOLS / "nvdisasm"), "-c", cubin], capture_output=True, text=True, check=True).stdout
+    regs = int(re.search(r"Used (\d+) registers", info).group(1))
+    stack = re.search(r"(\d+) bytes cumulative stack", info)
+    body = loop_body(sass)
+    mix = collections.Counter(body)
+    weights_per_thread = args.block_n * args.block_k / (args.warps * 32)
+    report = {
+        "registers": regs,
+        "stack_bytes": int(stack.group(1)) if stack else 0,
+        "loop_instructions": len(body),
+        "per_weight": len(body) / weights_per_thread,
+        "pipelined_loads": sum(v for k, v in mix.items() if k.startswith("LDGSTS")),
+        "plain_loads": sum(v for k, v in mix.items() if k.startswith("LDG.") or k == "LDG"),
+        "mix": mix.most_common(args.top),
+    }
+    return report, sass
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("kernel", choices=["gemm1", "gemm2"])
+    p.add_argument("--scheme", default="a16w4", choices=["bf16", "fp8", "a16w4", "a8w4"])
+    p.add_argument("--block-m", type=int, default=16)
+    p.add_argument("--block-n", type=int, default=64)
+    p.add_argument("--block-k", type=int, default=128)
+    p.add_argument("--warps", type=int, default=4)
+    p.add_argument("--stages", type=int, default=3)
+    p.add_argument("--top-k", type=int, default=4, help="GEMM2's combine width")
+    p.add_argument("--top", type=int, default=16, help="most frequent instructions to list")
+    p.add_argument("--sass", type=Path, help="also write the whole SASS here")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object instead")
+    args = p.parse_args(argv)
+    report, sass = compile_sass(args)
+    if args.sass:
+        args.sass.write_text(sass)
+    if args.json:
+        print(json.dumps({**report, "hgmma_in_loop": any(n.startswith("HGMMA") for n in loop_body(sass))}))
+        return 0
+    print(f"{args.kernel} {args.scheme} BM{args.block_m} BN{args.block_n} BK{args.block_k} w{args.warps} "
+          f"s{args.stages}: {report['registers']} registers, {report['stack_bytes']} B stack; K loop "
+          f"{report['loop_instructions']} instructions = {report['per_weight']:.2f} per weight; loads in the loop: "
+          f"{report['pipelined_loads']} cp.async, {report['plain_loads']} plain")
+    print("  " + ", ".join(f"{name} {n}" for name, n in report["mix"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
