@@ -331,7 +331,7 @@ def measure_rows(timer: Any, spec: Any, weights: Any, ws: Any, x: torch.Tensor, 
     from .kernels.tuning import lookup
     H, I, k, E = spec.hidden_size, spec.intermediate_size, spec.top_k, spec.num_local_experts
     scheme, T = spec.scheme.value, x.shape[0]
-    rate = ceil["fp8_tflops" if scheme in ("fp8", "a8w4") else "bf16_tflops"]  # the MMA the scheme uses
+    rate = ceil["fp8_tflops" if scheme in ("fp8", "a8w4") else "bf16_tflops"]  # the floor rate
     out = torch.empty_like(x)
     cfg = lookup(device_name(x.device), scheme, H, I, E, k, T)  # what fused_experts resolves
     n_hit = int(torch.unique(ids).numel())  # setup only, outside every timed region

@@ -1,7 +1,8 @@
 """The fused experts step on one GPU: routing metadata, GEMM1 (+SwiGLU, +fp8 quant), GEMM2 (+combine).
 
 Schemes: bf16, fp8 (e4m3 weights, 128x128 block scales), a16w4 (MXFP4 weights, bf16
-activations) and a8w4 (MXFP4 weights, e4m3 activations per token-group-128, fp8 dots).
+activations) and a8w4 (MXFP4 weights, e4m3 activations per token-group-128; bf16 dots, see
+kernels/gemm1.py).
 
 Three Triton launches per call at small T; larger T adds a separate combine
 (kernels/gemm2.py) and a second routing-sort launch (kernels/routing.py). No host sync,

@@ -22,10 +22,6 @@ from .weights import PreparedWeights
 def dequantize_w13(weights: PreparedWeights, local: int) -> torch.Tensor:
     """fp32 [2I, H] INTERLEAVED rows of one local expert."""
     w13 = require(weights.w13, GateUpLayout.INTERLEAVED, "w13")[local]
-    if weights.scheme.is_mxfp4:  # MX tiles: untile this expert only (rows come back INTERLEAVED)
-        scale = require(weights.w13_scale, GateUpLayout.INTERLEAVED, "w13_scale")[local]
-        return formats.dequantize_mxfp4(*mx_tiles.untile(w13, scale, 2 * weights.intermediate_size,
-                                                         weights.hidden_size))
     if weights.scheme is Scheme.BF16:
         return w13.float()
     scale = require(weights.w13_scale, GateUpLayout.INTERLEAVED, "w13_scale")[local]
@@ -35,7 +31,8 @@ def dequantize_w13(weights: PreparedWeights, local: int) -> torch.Tensor:
         rows = torch.arange(w13.shape[0], device=w13.device)
         per_row = scale[rows // 2 // FP8_BLOCK, rows % 2]  # [2I, kb]
         return w13.float() * per_row.repeat_interleave(FP8_BLOCK, dim=1)[:, : w13.shape[1]]
-    raise AssertionError(f"unreachable: scheme {weights.scheme}")
+    # MX tiles: untile this expert only (rows come back INTERLEAVED)
+    return formats.dequantize_mxfp4(*mx_tiles.untile(w13, scale, 2 * weights.intermediate_size, weights.hidden_size))
 
 
 def dequantize_w2(weights: PreparedWeights, local: int) -> torch.Tensor:

@@ -100,6 +100,8 @@ def tile(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torc
 
 def untile(values: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """MX tiles -> plain (e2m1 uint8 [..., n, k/2], e8m0 uint8 [..., n, k/32]); the inverse of `tile`."""
+    if values.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"MX tiles are uint8 values and uint8 scales, got {values.dtype}, {scales.dtype}")
     want_v, want_s = tiled_shapes(n, k)
     if tuple(values.shape[-3:]) != want_v or tuple(scales.shape[-3:]) != want_s:
         raise ValueError(f"MX tiles {tuple(values.shape)} / {tuple(scales.shape)} do not fit an [{n}, {k}] "

@@ -161,6 +161,8 @@ def words(t: torch.Tensor) -> torch.Tensor:
 def launch_args(gemm: str, name: str, values: torch.Tensor, scales: torch.Tensor, n: int, k: int, block_n: int,
                 block_k: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """Check [E, ...] MX tiles of an [n, k] weight and the tile; (value words, scale words, row blocks, k blocks)."""
+    if values.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"{gemm}: MX tiles {name} and their scales must be uint8, got {values.dtype}, {scales.dtype}")
     want_v, want_s = mx_tiles.tiled_shapes(n, k)
     if tuple(values.shape[1:]) != want_v or tuple(scales.shape[1:]) != want_s:
         raise ValueError(f"{gemm}: MX tiles {name} {tuple(values.shape)} / scales {tuple(scales.shape)} do not fit "

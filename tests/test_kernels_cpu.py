@@ -186,17 +186,21 @@ def test_fused_experts_split_routing(seed, monkeypatch, scheme, mode, local):
     assert rel_err(out, reference(x, w, ids, spec, p, act_quant=scheme in ("fp8", "a8w4"))) <= 1e-2
 
 
+def _launches(spec, p, T: int, **kwargs) -> list:
+    """The kernel launches of one layer call on T random tokens (uniform routing over 4 experts, top-2)."""
+    from atom_moe.breakdown import record_launches
+    w, ids = make_routing(T, 4, 2, device=DEVICE)
+    x = torch.randn(T, spec.hidden_size, device=DEVICE).to(torch.bfloat16)
+    return record_launches(lambda: fused_experts(x, w, ids, p, spec, **kwargs))
+
+
 def test_small_calls_stay_one_routing_launch(seed):
     # at the default threshold T = 1 (and any T*k <= SPLIT_PAIRS) is three launches in all;
     # 16 pairs covers T = 1 up to top-16
-    from atom_moe.breakdown import record_launches
     spec, p = make_layer(160, 96, 4, 2, "bf16", device=DEVICE)
     ws = allocate_workspace(spec, 8, DEVICE)
     for T in (1, 8):
-        w, ids = make_routing(T, 4, 2, device=DEVICE)
-        x = torch.randn(T, 160, device=DEVICE).to(torch.bfloat16)
-        launches = record_launches(lambda: fused_experts(x, w, ids, p, spec, workspace=ws))
-        assert [launch.stage for launch in launches] == ["routing", "gemm1", "gemm2"]
+        assert [launch.stage for launch in _launches(spec, p, T, workspace=ws)] == ["routing", "gemm1", "gemm2"]
 
 
 def test_split_routing_needs_room(monkeypatch):
@@ -348,17 +352,14 @@ def test_separate_combine_is_a_fixed_order_sum(seed, scheme, x_dtype, local):
 
 def test_combine_mode_by_pair_count(seed, monkeypatch):
     # the default picks the separate combine from SEPARATE_MIN_PAIRS pairs up; the symm push never
-    from atom_moe.breakdown import record_launches
     from atom_moe.kernels import gemm2
     spec, p = make_layer(160, 96, 4, 2, "bf16", device=DEVICE)
     monkeypatch.setattr(gemm2, "SEPARATE_MIN_PAIRS", 16)
     for T, last in ((7, "_gemm2_kernel"), (8, "_combine_kernel")):
-        w, ids = make_routing(T, 4, 2, device=DEVICE)
-        x = torch.randn(T, 160, device=DEVICE).to(torch.bfloat16)
-        launches = record_launches(lambda: fused_experts(x, w, ids, p, spec))
-        assert launches[-1].name == last
+        assert _launches(spec, p, T)[-1].name == last
+    w, ids = make_routing(3, 4, 2, device=DEVICE)
     with pytest.raises(ValueError, match="combine must be"):
-        fused_experts(x, w, ids, p, spec, combine="atomic")
+        fused_experts(torch.randn(3, 160, device=DEVICE).to(torch.bfloat16), w, ids, p, spec, combine="atomic")
 
 
 def test_workspace_reuse_and_limits(seed):

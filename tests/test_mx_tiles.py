@@ -152,6 +152,24 @@ def test_tile_errors():
         mx_tiles.untile(v, ts, 80, 96)
     with pytest.raises(ValueError, match="do not fit"):
         mx_tiles.untile(v, ts[..., :16], 40, 96)
+    with pytest.raises(ValueError, match="MX tiles are uint8 values and uint8 scales, got torch.int32"):
+        mx_tiles.untile(v.to(torch.int32), ts, 40, 96)
+
+
+def test_gemm_launch_checks_name_the_problem():
+    from atom_moe.kernels import mxfp4
+    v, ts = mx_tiles.tile(rand_u8(2, 40, 48), rand_u8(2, 40, 3))
+    words, swords, row_blocks, k_blocks = mxfp4.launch_args("GEMM1", "w13", v, ts, 40, 96, 64, 128)
+    assert words.dtype == swords.dtype == torch.int32 and (row_blocks, k_blocks) == (3, 2)
+    assert torch.equal(words.view(torch.uint8), v)
+    with pytest.raises(ValueError, match="GEMM1: MX tiles w13 and their scales must be uint8, got torch.uint8, "
+                                         "torch.float32"):
+        mxfp4.launch_args("GEMM1", "w13", v, ts.float(), 40, 96, 64, 128)
+    with pytest.raises(ValueError, match=r"GEMM2: MX tiles w2 .* do not fit an \[80, 96\] weight"):
+        mxfp4.launch_args("GEMM2", "w2", v, ts, 80, 96, 64, 128)
+    with pytest.raises(ValueError, match=r"block_n % 16 == 0 and block_k % 64 == 0 \(whole MX tile blocks\), "
+                                         r"got block_n=64, block_k=32"):
+        mxfp4.launch_args("GEMM1", "w13", v, ts, 40, 96, 64, 32)
 
 
 # ---------------------------------------------------------------- layout guards
