@@ -1,7 +1,7 @@
 """The fused experts step on one GPU: routing metadata, GEMM1 (+SwiGLU, +fp8 quant), GEMM2 (+combine).
 
 Schemes: bf16, fp8 (e4m3 weights, 128x128 block scales), a16w4 (MXFP4 weights, bf16
-activations) and a8w4 (MXFP4 weights, e4m3 activations per token-group-128; bf16 dots, see
+activations) and a8w4 (MXFP4 weights as MX quads, e4m3 activations per token-group-128; fp8 dots, see
 kernels/gemm1.py).
 
 Three Triton launches per call at small T; larger T adds a separate combine
@@ -206,7 +206,8 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
                 ws.sorted_ids, ws.block_expert, n_blocks, k, ws.inter, ws.inter_scale,
                 oai=act.kind.value == "swiglu_oai", alpha=act.alpha, limit=act.limit,
                 block_m=cfg.block_m, block_n=cfg.block_n1, block_k=cfg.block_k1,
-                num_warps=cfg.warps1, num_stages=cfg.stages1, group_m=cfg.group_m, mx_big=weights.mx_scale_max > 128)
+                num_warps=cfg.warps1, num_stages=cfg.stages1, group_m=cfg.group_m, mx_big=weights.mx_scale_max > 128,
+                w13_rowexp_t=weights.w13_rowexp, mx_flush=weights.mx_flush)
     separate = remote is None and (combine == "separate" or (combine is None and T * k >= gemm2.SEPARATE_MIN_PAIRS))
     partial = gemm2.separate_partial(ws.partial, out) if separate else ws.partial
     gemm2.gemm2(ws.inter, ws.inter_scale, weights.w2, weights.w2_scale, weights.w2_bias,
@@ -215,7 +216,7 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
                 block_m=cfg.block_m, block_n=cfg.block_n2, block_k=cfg.block_k2,
                 num_warps=cfg.warps2, num_stages=cfg.stages2, group_m=cfg.group_m, remote=remote,
                 hidden=weights.hidden_size, mx_big=weights.mx_scale_max > 128,
-                separate=separate)
+                w2_rowexp=weights.w2_rowexp, mx_flush=weights.mx_flush, separate=separate)
     if separate:
         gemm2.combine(partial, topk_ids, weights.expert_map, out)
     return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import formats, mx_tiles
+from . import formats, mx_quads, mx_tiles
 from .layout import GateUpLayout, require
 from .reference import apply_activation, quant_dequant_activations
 from .spec import FP8_BLOCK, MoESpec, Scheme
@@ -31,8 +31,19 @@ def dequantize_w13(weights: PreparedWeights, local: int) -> torch.Tensor:
         rows = torch.arange(w13.shape[0], device=w13.device)
         per_row = scale[rows // 2 // FP8_BLOCK, rows % 2]  # [2I, kb]
         return w13.float() * per_row.repeat_interleave(FP8_BLOCK, dim=1)[:, : w13.shape[1]]
-    # MX tiles: untile this expert only (rows come back INTERLEAVED)
-    return formats.dequantize_mxfp4(*mx_tiles.untile(w13, scale, 2 * weights.intermediate_size, weights.hidden_size))
+    rowexp = None if weights.w13_rowexp is None else require(weights.w13_rowexp, GateUpLayout.INTERLEAVED,
+                                                             "w13_rowexp")[local]
+    return _dequantize_mx(w13, scale, rowexp, 2 * weights.intermediate_size, weights.hidden_size)
+
+
+def _dequantize_mx(values: torch.Tensor, scale: torch.Tensor, rowexp: torch.Tensor | None, n: int, k: int
+                   ) -> torch.Tensor:
+    """fp32 [n, k] from one expert's MX tiles (a16w4), or MX quads (a8w4: with rowexp, flushed blocks
+    zeroed as the kernels do, atom_moe/mx_quads.py). Untiled per expert: rows come back INTERLEAVED."""
+    if rowexp is None:
+        return formats.dequantize_mxfp4(*mx_tiles.untile(values, scale, n, k))
+    packed, scales = mx_quads.untile(values, scale, rowexp, n, k)
+    return formats.dequantize_mxfp4(mx_quads.flush(packed, scales), scales)
 
 
 def dequantize_w2(weights: PreparedWeights, local: int) -> torch.Tensor:
@@ -41,8 +52,9 @@ def dequantize_w2(weights: PreparedWeights, local: int) -> torch.Tensor:
         return weights.w2[local].float()
     if weights.scheme is Scheme.FP8:
         return formats.dequantize_fp8_block(weights.w2[local], weights.w2_scale[local], FP8_BLOCK)
-    return formats.dequantize_mxfp4(*mx_tiles.untile(weights.w2[local], weights.w2_scale[local],
-                                                     weights.hidden_size, weights.intermediate_size))
+    return _dequantize_mx(weights.w2[local], weights.w2_scale[local],
+                          None if weights.w2_rowexp is None else weights.w2_rowexp[local],
+                          weights.hidden_size, weights.intermediate_size)
 
 
 def local_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor) -> torch.Tensor:

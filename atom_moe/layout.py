@@ -12,7 +12,8 @@ interleaved weight reads scale [e, j // 128, 0 or 1, kb] even when I % 128 != 0.
 MX_TILES (atom_moe.mx_tiles) holds MXFP4 values or scales repacked into the kernels' tiles
 [E, N/16, K/64, 512 or 32]; the rows of w13 are tiled in INTERLEAVED order, so the tag is
 INTERLEAVED. Rows are no longer a dimension there: interleave, separate and split_gate_up
-refuse it (untile first with atom_moe.weights.plain_mxfp4).
+refuse it (untile first with atom_moe.weights.plain_mxfp4). MX_QUADS (atom_moe.mx_quads) is
+a8w4's variant, same shapes, another word order and per-row residual scales; the same rules hold.
 
 A kernel never accepts a raw tensor: it accepts a GateUpTensor and calls
 `require(t, INTERLEAVED)`. Mispairing gate and up rows does not crash, it silently
@@ -40,6 +41,12 @@ class GateUpKind(str, enum.Enum):
     ROWS = "rows"  # one row per output feature: weights, MXFP4 scales, biases
     BLOCK_SCALE = "block_scale"  # fp8 128x128 block scales
     MX_TILES = "mx_tiles"  # MXFP4 values / e8m0 scales in atom_moe.mx_tiles' layout [E, N/16, K/64, bytes]
+    MX_QUADS = "mx_quads"  # a8w4: MXFP4 values / residual scales in atom_moe.mx_quads' layout, same shapes
+
+    @property
+    def tiled(self) -> bool:
+        """MX tiles or quads: rows packed inside 16-row blocks, not a dimension."""
+        return self in (GateUpKind.MX_TILES, GateUpKind.MX_QUADS)
 
 
 @dataclass(frozen=True)
@@ -55,7 +62,7 @@ class GateUpTensor:
             raise LayoutError(f"GateUpTensor.data must be a torch.Tensor, got {type(self.data).__name__}")
         object.__setattr__(self, "layout", GateUpLayout(self.layout))
         object.__setattr__(self, "kind", GateUpKind(self.kind))
-        if self.kind is GateUpKind.MX_TILES:  # dim -3 counts 16-row blocks: no row-pair check possible
+        if self.kind.tiled:  # dim -3 counts 16-row blocks: no row-pair check possible
             if self.data.dim() < 3:
                 raise LayoutError(f"MX tiles are [..., N/16, K/64, bytes], got shape {tuple(self.data.shape)}")
             return
@@ -68,8 +75,8 @@ class GateUpTensor:
 
 
 def _refuse_tiles(t: GateUpTensor, op: str) -> None:
-    if t.kind is GateUpKind.MX_TILES:
-        raise LayoutError(f"{op} cannot reorder rows of MX tiles (gate/up rows are packed inside 16-row "
+    if t.kind.tiled:
+        raise LayoutError(f"{op} cannot reorder rows of {t.kind.value} (gate/up rows are packed inside 16-row "
                           f"blocks); untile first with atom_moe.weights.plain_mxfp4")
 
 

@@ -68,18 +68,37 @@ def _codes(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
 
 
-def tile(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain (e2m1 uint8 [..., N, K/2], e8m0 uint8 [..., N, K/32]) -> MX tiles (values, scales)."""
+def padded_codes(packed: torch.Tensor, scales: torch.Tensor, layout: str) -> tuple[torch.Tensor, int, int]:
+    """Check plain MXFP4 and return (codes int64 [..., N padded, K padded], n, k)."""
     if packed.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise ValueError(f"MX tiles take uint8 e2m1 bytes and uint8 e8m0 scales, got {packed.dtype}, {scales.dtype}")
+        raise ValueError(f"{layout} take uint8 e2m1 bytes and uint8 e8m0 scales, got {packed.dtype}, {scales.dtype}")
     *lead, n, kh = packed.shape
     k = 2 * kh
     if k % 32 or tuple(scales.shape) != (*lead, n, k // 32):
         raise ValueError(f"MXFP4 scales {tuple(scales.shape)} do not match packed {tuple(packed.shape)} "
                          f"(one e8m0 per 32 codes along K, K a multiple of 32)")
     n_pad, k_pad = padded(n, k)
-    codes = torch.zeros(*lead, n_pad, k_pad, dtype=torch.int32, device=packed.device)
-    codes[..., :n, :k] = _codes(packed).to(torch.int32)
+    codes = torch.zeros(*lead, n_pad, k_pad, dtype=torch.int64, device=packed.device)
+    codes[..., :n, :k] = _codes(packed).to(torch.int64)
+    return codes, n, k
+
+
+def word_bytes(word: torch.Tensor) -> torch.Tensor:
+    """int64 32-bit words [...] -> uint8 [..., 4], little-endian."""
+    return torch.stack([(word >> (8 * i)) & 0xFF for i in range(4)], dim=-1).to(torch.uint8)
+
+
+def bytes_word(b: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 4] little-endian -> int64 32-bit words [...]."""
+    b = b.to(torch.int64)
+    return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+
+
+def tile(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain (e2m1 uint8 [..., N, K/2], e8m0 uint8 [..., N, K/32]) -> MX tiles (values, scales)."""
+    codes, n, k = padded_codes(packed, scales, "MX tiles")
+    lead = codes.shape[:-2]
+    n_pad, k_pad = codes.shape[-2:]
     # [.., nb, h, g, kb, j, c, q, e] -> [.., nb, kb, g, q, j, c, h, e]
     c = codes.reshape(*lead, n_pad // 16, 2, 8, k_pad // 64, 4, 2, 4, 2)
     nd = len(lead)
@@ -88,8 +107,7 @@ def tile(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torc
     word = torch.zeros(c.shape[:-2], dtype=torch.int64, device=packed.device)
     for o, e, bit, pos in _PLAN:
         word |= ((c[..., o, e] >> bit) & 1).to(torch.int64) << pos
-    values = torch.stack([(word >> (8 * i)) & 0xFF for i in range(4)], dim=-1).to(torch.uint8)
-    values = values.reshape(*lead, n_pad // 16, k_pad // 64, BLOCK_BYTES)
+    values = word_bytes(word).reshape(*lead, n_pad // 16, k_pad // 64, BLOCK_BYTES)
 
     s = torch.zeros(*lead, n_pad, k_pad // 32, dtype=torch.uint8, device=packed.device)
     s[..., :n, : k // 32] = scales
@@ -109,8 +127,7 @@ def untile(values: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> tuple[
     lead = values.shape[:-3]
     nd = len(lead)
     n_pad, k_pad = padded(n, k)
-    b = values.reshape(*lead, n_pad // 16, k_pad // 64, 128, 4).to(torch.int64)
-    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+    word = bytes_word(values.reshape(*lead, n_pad // 16, k_pad // 64, 128, 4))
     c = torch.zeros(*word.shape, 4, 2, dtype=torch.int64, device=values.device)
     for o, e, bit, pos in _PLAN:
         c[..., o, e] |= ((word >> pos) & 1) << bit

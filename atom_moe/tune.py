@@ -116,14 +116,16 @@ def triton_candidates(key: Key, space: str = "tied") -> list:
     t = _tuning()
     h = t.heuristic(key.scheme, key.H, key.I, key.E, key.top_k, key.tokens)
     bms = [b for b in BLOCK_MS if h.block_m / 2 <= b <= h.block_m * 2]
-    # where the scheme fixes GEMM1's tile (fp8 activations: whole 128-groups), GEMM2's tile is swept on its own
+    # where the scheme fixes GEMM1's width (fp8 activations: whole 128-groups), GEMM2's width is swept on
+    # its own, with GEMM1's K step (a8w4 has two)
     gemm1_tiles = {(n1, k1) for n1, k1 in TILES for n2, k2 in TILES if _valid(t, 16, n1, k1, n2, k2, key.scheme)}
-    tie = space == "tied" and len(gemm1_tiles) > 1
+    fixed_n1 = len({n1 for n1, _ in gemm1_tiles}) == 1
+    tie = space == "tied" and not fixed_n1
     out = [h]
     for bm in bms:
         for n1, k1 in TILES:
             for n2, k2 in TILES:
-                if tie and (n2, k2) != (n1, k1):
+                if (tie and (n2, k2) != (n1, k1)) or (space == "tied" and fixed_n1 and k2 != k1):
                     continue
                 for w, s in LAUNCH:
                     launches = [(w, s, w, s)] if space == "tied" else [(w, s, w2, s2) for w2, s2 in LAUNCH]

@@ -6,14 +6,19 @@ Prepared weight formats by scheme (E_l = local experts, tags from atom_moe.layou
 |-------------|-----------------------------|-------------------------------------|--------------------|------------------------|
 | bf16        | bf16 [E_l, 2I, H]           | None                                | bf16 [E_l, H, I]   | None                   |
 | fp8         | e4m3 [E_l, 2I, H]           | fp32 [E_l, ceil(I/128), 2, ceil(H/128)] (BLOCK_SCALE) | e4m3 [E_l, H, I] | fp32 [E_l, ceil(H/128), ceil(I/128)] |
-| a16w4/a8w4  | uint8 MX tiles [E_l, ceil(2I/16), ceil(H/64), 512] (MX_TILES) | uint8 [E_l, ceil(2I/16), ceil(H/64), 32] (MX_TILES) | uint8 [E_l, ceil(H/16), ceil(I/64), 512] | uint8 [E_l, ceil(H/16), ceil(I/64), 32] |
+| a16w4       | uint8 MX tiles [E_l, ceil(2I/16), ceil(H/64), 512] (MX_TILES) | uint8 [E_l, ceil(2I/16), ceil(H/64), 32] (MX_TILES) | uint8 [E_l, ceil(H/16), ceil(I/64), 512] | uint8 [E_l, ceil(H/16), ceil(I/64), 32] |
+| a8w4        | the same shapes as MX quads (MX_QUADS)   | residual bytes, same shape (MX_QUADS) | MX quads           | residual bytes         |
 
-MXFP4 weights are stored only as MX tiles (atom_moe.mx_tiles: e2m1 codes and e8m0 scales
+a16w4 weights are stored only as MX tiles (atom_moe.mx_tiles: e2m1 codes and e8m0 scales
 repacked for the kernels' mma fragments, N padded to 16 and K to 64 with zero codes and
 scale byte 0). w13's rows are tiled in INTERLEAVED order [g0, u0, g1, u1, ...].
 `plain_mxfp4` untiles them back to checkpoint MXFP4 (uint8 e2m1x2 [E_l, 2I, H/2] INTERLEAVED,
 e8m0 [E_l, 2I, H/32], [E_l, H, I/2], [E_l, H, I/32]) for oracles and baselines; the plain
 copy is never kept. `mx_scale_max` records the largest e8m0 byte of both (0 for bf16/fp8).
+a8w4 stores MX quads instead (atom_moe.mx_quads: e4m3 mma word order, scales as residuals of a
+per-row exponent), with w13_rowexp uint8 [E_l, 2I] INTERLEAVED and w2_rowexp uint8 [E_l, H];
+`mx_flush` says whether some block is flushed (more than 2^11 below its row's largest scale);
+preparation warns with the count when it is.
 
 Biases (optional): w13_bias fp32 [E_l, 2I] INTERLEAVED, w2_bias fp32 [E_l, H].
 
@@ -25,12 +30,13 @@ are popped, so the originals can be freed once the caller drops them.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable, MutableMapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from . import formats, mx_tiles
+from . import formats, mx_quads, mx_tiles
 from .layout import GateUpKind, GateUpLayout, GateUpTensor, interleave, require
 from .spec import FP8_BLOCK, MX_BLOCK, MoESpec, Scheme
 
@@ -59,10 +65,14 @@ class PreparedWeights:
     # MXFP4: the largest e8m0 byte over w13_scale and w2_scale (the kernels pick their scale
     # decode by it: bytes > 128 need the general path). 0 for bf16/fp8.
     mx_scale_max: int = 0
+    # a8w4 (MX quads): per-row exponents, and whether some block is flushed (atom_moe.mx_quads)
+    w13_rowexp: GateUpTensor | None = None
+    w2_rowexp: torch.Tensor | None = None
+    mx_flush: bool | None = None  # None: measured at construction (below)
 
     def __post_init__(self) -> None:
         # A separated w13 must never reach a kernel: refuse it at construction already.
-        for name in ("w13", "w13_scale", "w13_bias"):
+        for name in ("w13", "w13_scale", "w13_bias", "w13_rowexp"):
             t = getattr(self, name)
             if t is not None or name == "w13":
                 require(t, GateUpLayout.INTERLEAVED, name)
@@ -70,8 +80,15 @@ class PreparedWeights:
         # MXFP4 weights built without it (by hand): measured here, once (one host sync), so a
         # scale byte > 128 can never meet a kernel told the maximum is 0
         if (Scheme(self.scheme).is_mxfp4 and self.mx_scale_max == 0 and self.w13_scale is not None
-                and self.w2_scale is not None):
+                and self.w13_scale.kind is GateUpKind.MX_TILES and self.w2_scale is not None):
             self.mx_scale_max = _scale_max(self.w13_scale.data, self.w2_scale)
+        # MX quads built by hand: the flush path goes on wherever a residual byte is outside
+        # [1, 12] (conservative: zero and padding blocks count too; one host sync)
+        if self.mx_flush is None:
+            quads = self.w13_scale is not None and self.w13_scale.kind is GateUpKind.MX_QUADS
+            self.mx_flush = quads and any(bool(((t.data if isinstance(t, GateUpTensor) else t) - 1 > 11).any())
+                                          for t in (self.w13_scale, self.w2_scale))
+        self.mx_flush = bool(self.mx_flush)
 
     def check(self, spec: MoESpec) -> None:
         """Raise WeightError/LayoutError unless these weights are what `spec` needs."""
@@ -82,8 +99,6 @@ class PreparedWeights:
             require(self.w13_scale, GateUpLayout.INTERLEAVED, "w13_scale")
         mine = (self.scheme, self.hidden_size, self.intermediate_size, self.num_experts, self.local_experts)
         theirs = (spec.scheme, spec.hidden_size, spec.intermediate_size, spec.num_experts, spec.local_experts)
-        if self.scheme.is_mxfp4 and spec.scheme.is_mxfp4:
-            mine, theirs = mine[1:], theirs[1:]  # a16w4 and a8w4 share one weight format
         if mine != theirs:
             raise WeightError(
                 f"prepared weights (scheme, H, I, E, local experts) = {mine[:4]}, {len(self.local_experts)} local "
@@ -97,17 +112,19 @@ class PreparedWeights:
     def _check_tensors(self, spec: MoESpec) -> None:
         """Every tensor's kind, dtype and shape as the module docstring's table gives them."""
         want_kind = {Scheme.BF16: (GateUpKind.ROWS, None), Scheme.FP8: (GateUpKind.ROWS, GateUpKind.BLOCK_SCALE)}
-        kind13, kind13_scale = want_kind.get(spec.scheme, (GateUpKind.MX_TILES, GateUpKind.MX_TILES))
-        for name, t, kind in (("w13", self.w13, kind13), ("w13_scale", self.w13_scale, kind13_scale)):
+        mx = GateUpKind.MX_QUADS if spec.scheme is Scheme.A8W4 else GateUpKind.MX_TILES
+        kind13, kind13_scale = want_kind.get(spec.scheme, (mx, mx))
+        for name, t, kind in (("w13", self.w13, kind13), ("w13_scale", self.w13_scale, kind13_scale),
+                              ("w13_rowexp", self.w13_rowexp, GateUpKind.ROWS)):
             if t is not None and kind is not None and t.kind is not kind:
                 hint = (" (plain MXFP4 is not a kernel format: build with atom_moe.weights.prepare_* or "
-                        "prepare_mxfp4_local, which tile it with atom_moe.mx_tiles)" if kind is GateUpKind.MX_TILES
-                        else "")
+                        "prepare_mxfp4_local, which tile it for the scheme)" if kind.tiled else "")
                 raise WeightError(f"{name} is kind {t.kind.value}, {spec.scheme.value} weights need "
                                   f"{kind.value}{hint}")
         have = {"expert_map": self.expert_map, "w13": self.w13.data, "w2": self.w2,
                 "w13_scale": None if self.w13_scale is None else self.w13_scale.data, "w2_scale": self.w2_scale,
-                "w13_bias": None if self.w13_bias is None else self.w13_bias.data, "w2_bias": self.w2_bias}
+                "w13_bias": None if self.w13_bias is None else self.w13_bias.data, "w2_bias": self.w2_bias,
+                "w13_rowexp": None if self.w13_rowexp is None else self.w13_rowexp.data, "w2_rowexp": self.w2_rowexp}
         want = prepared_shapes(spec)
         for name, t in have.items():
             if name not in want:
@@ -125,10 +142,10 @@ class PreparedWeights:
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor these weights hold (for memory accounting)."""
         out = [self.expert_map, self.w13.data, self.w2]
-        for t in (self.w13_scale, self.w13_bias):
+        for t in (self.w13_scale, self.w13_bias, self.w13_rowexp):
             if t is not None:
                 out.append(t.data)
-        out += [t for t in (self.w2_scale, self.w2_bias) if t is not None]
+        out += [t for t in (self.w2_scale, self.w2_bias, self.w2_rowexp) if t is not None]
         return out
 
     def nbytes(self) -> int:
@@ -148,7 +165,8 @@ def _scale_max(*scales: torch.Tensor) -> int:
 def prepared_shapes(spec: MoESpec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """(shape, dtype) of each tensor of one layer's PreparedWeights on this rank (the table above).
 
-    Keys: expert_map, w13, w2, and where the scheme has them w13_scale, w2_scale, w13_bias, w2_bias.
+    Keys: expert_map, w13, w2, and where the scheme has them w13_scale, w2_scale, w13_bias, w2_bias,
+    w13_rowexp, w2_rowexp.
     """
     H, I, E, El = spec.hidden_size, spec.intermediate_size, spec.num_experts, spec.num_local_experts
     out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"expert_map": ((E,), torch.int32)}
@@ -158,10 +176,12 @@ def prepared_shapes(spec: MoESpec) -> dict[str, tuple[tuple[int, ...], torch.dty
         nb_i, nb_h = -(-I // FP8_BLOCK), -(-H // FP8_BLOCK)
         out |= {"w13": ((El, 2 * I, H), formats.FP8_DTYPE), "w13_scale": ((El, nb_i, 2, nb_h), torch.float32),
                 "w2": ((El, H, I), formats.FP8_DTYPE), "w2_scale": ((El, nb_h, nb_i), torch.float32)}
-    else:  # MXFP4 as MX tiles, padded to 16 rows x 64 k
+    else:  # MXFP4 as MX tiles (a16w4) or quads (a8w4), padded to 16 rows x 64 k
         (v13, s13), (v2, s2) = mx_tiles.tiled_shapes(2 * I, H), mx_tiles.tiled_shapes(H, I)
         out |= {"w13": ((El, *v13), torch.uint8), "w13_scale": ((El, *s13), torch.uint8),
                 "w2": ((El, *v2), torch.uint8), "w2_scale": ((El, *s2), torch.uint8)}
+        if spec.scheme is Scheme.A8W4:
+            out |= {"w13_rowexp": ((El, 2 * I), torch.uint8), "w2_rowexp": ((El, H), torch.uint8)}
     if spec.has_bias:
         out |= {"w13_bias": ((El, 2 * I), torch.float32), "w2_bias": ((El, H), torch.float32)}
     return out
@@ -185,32 +205,44 @@ def plain_mxfp4(p: PreparedWeights, experts: slice | Sequence[int] | torch.Tenso
     """
     if not Scheme(p.scheme).is_mxfp4:
         raise WeightError(f"plain_mxfp4 needs MXFP4 (a16w4/a8w4) weights, these are {Scheme(p.scheme).value}")
+    kind = GateUpKind.MX_QUADS if Scheme(p.scheme) is Scheme.A8W4 else GateUpKind.MX_TILES
     for name, t in (("w13", p.w13), ("w13_scale", p.w13_scale)):
-        if not isinstance(t, GateUpTensor) or t.kind is not GateUpKind.MX_TILES:
+        if not isinstance(t, GateUpTensor) or t.kind is not kind:
             got = t.kind.value if isinstance(t, GateUpTensor) else type(t).__name__
-            raise WeightError(f"plain_mxfp4: {name} must be MX tiles (GateUpKind.MX_TILES), got {got}")
+            raise WeightError(f"plain_mxfp4: {name} must be {kind.value} for {Scheme(p.scheme).value}, got {got}")
     if isinstance(experts, int):
         raise TypeError("plain_mxfp4: select experts with a slice or index list (dim 0 is kept), not an int")
     pick = (lambda t: t) if experts is None else (lambda t: t[experts])  # noqa: E731
     H, I = p.hidden_size, p.intermediate_size
     v13 = pick(require(p.w13, GateUpLayout.INTERLEAVED, "w13"))
     s13 = pick(require(p.w13_scale, GateUpLayout.INTERLEAVED, "w13_scale"))
-    q13, sc13 = _untile_experts(v13, s13, 2 * I, H)
-    q2, sc2 = _untile_experts(pick(p.w2), pick(p.w2_scale), H, I)
+    if kind is GateUpKind.MX_QUADS:
+        if p.w13_rowexp is None or p.w2_rowexp is None:
+            raise WeightError("plain_mxfp4: a8w4 MX quads need w13_rowexp and w2_rowexp")
+        r13 = pick(require(p.w13_rowexp, GateUpLayout.INTERLEAVED, "w13_rowexp"))
+        q13, sc13 = _untile_experts(v13, s13, 2 * I, H, r13)
+        q2, sc2 = _untile_experts(pick(p.w2), pick(p.w2_scale), H, I, pick(p.w2_rowexp))
+    else:
+        q13, sc13 = _untile_experts(v13, s13, 2 * I, H)
+        q2, sc2 = _untile_experts(pick(p.w2), pick(p.w2_scale), H, I)
     return (GateUpTensor(q13, GateUpLayout.INTERLEAVED), GateUpTensor(sc13, GateUpLayout.INTERLEAVED, GateUpKind.ROWS),
             q2, sc2)
 
 
-def _untile_experts(values: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """mx_tiles.untile one expert (dim 0) at a time: its int64 working set is ~16 bytes per code,
-    too much for a whole layer at once."""
+def _untile_experts(values: torch.Tensor, scales: torch.Tensor, n: int, k: int, rowexp: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Untile one expert (dim 0) at a time (MX tiles, or MX quads when rowexp is given): the int64
+    working set is ~16 bytes per code, too much for a whole layer at once."""
     if values.dim() != 4 or scales.dim() != 4 or values.shape[0] != scales.shape[0]:
         raise WeightError(f"MX tiles must be [E, N/16, K/64, bytes] with one scale tile per value tile, got "
                           f"{tuple(values.shape)} / {tuple(scales.shape)}")
     packed = torch.empty(values.shape[0], n, k // 2, dtype=torch.uint8, device=values.device)
     plain = torch.empty(values.shape[0], n, k // MX_BLOCK, dtype=torch.uint8, device=values.device)
     for e in range(values.shape[0]):
-        packed[e], plain[e] = mx_tiles.untile(values[e], scales[e], n, k)
+        if rowexp is None:
+            packed[e], plain[e] = mx_tiles.untile(values[e], scales[e], n, k)
+        else:
+            packed[e], plain[e] = mx_quads.untile(values[e], scales[e], rowexp[e], n, k)
     return packed, plain
 
 
@@ -221,13 +253,17 @@ def _expert_map(spec: MoESpec, device: torch.device) -> torch.Tensor:
 
 
 class _MxStack:
-    """Per-expert plain MXFP4 [n, k/2] + [n, k/32] tiled into preallocated [E_l, ...] MX tiles."""
+    """Per-expert plain MXFP4 [n, k/2] + [n, k/32] tiled into preallocated [E_l, ...] MX tiles, or MX
+    quads with their row exponents (quads, for a8w4)."""
 
-    def __init__(self, name: str, count: int, n: int, k: int, device: torch.device) -> None:
+    def __init__(self, name: str, count: int, n: int, k: int, device: torch.device, quads: bool = False) -> None:
         (vs, ss) = mx_tiles.tiled_shapes(n, k)
-        self.name, self.n, self.k = name, n, k
+        self.name, self.n, self.k, self.quads = name, n, k, quads
         self.values = torch.empty(count, *vs, dtype=torch.uint8, device=device)
         self.scales = torch.empty(count, *ss, dtype=torch.uint8, device=device)
+        self.rowexp = torch.empty(count, n, dtype=torch.uint8, device=device) if quads else None
+        self.scale_max = torch.zeros((), dtype=torch.uint8, device=device)  # of the e8m0 bytes given
+        self.flushed = 0
 
     def put(self, j: int, packed: torch.Tensor, scales: torch.Tensor) -> None:
         want = ((self.n, self.k // 2), (self.n, self.k // MX_BLOCK))
@@ -237,13 +273,20 @@ class _MxStack:
                 raise WeightError(f"{self.name}{what} of local expert {j} is {got}, expected "
                                   f"{_fmt(shape, torch.uint8)} (plain MXFP4)")
         dev = self.values.device
-        self.values[j], self.scales[j] = mx_tiles.tile(packed.to(dev), scales.to(dev))
+        packed, scales = packed.to(dev), scales.to(dev)
+        if scales.numel():
+            self.scale_max = torch.maximum(self.scale_max, scales.max())
+        if self.quads:
+            self.values[j], self.scales[j], self.rowexp[j], flushed = mx_quads.tile(packed, scales)
+            self.flushed += flushed
+        else:
+            self.values[j], self.scales[j] = mx_tiles.tile(packed, scales)
 
 
 def prepare_mxfp4_local(spec: MoESpec, experts: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
                         *, device: torch.device | str | None = None, w13_bias: GateUpTensor | None = None,
                         w2_bias: torch.Tensor | None = None) -> PreparedWeights:
-    """Plain MXFP4 of each local expert -> PreparedWeights holding MX tiles.
+    """Plain MXFP4 of each local expert -> PreparedWeights holding MX tiles (a16w4) or MX quads (a8w4).
 
     `experts` yields, in local order, spec.num_local_experts tuples (w13 uint8 [2I, H/2] with
     INTERLEAVED rows, w13_scale uint8 [2I, H/32] INTERLEAVED, w2 uint8 [H, I/2], w2_scale uint8
@@ -257,6 +300,7 @@ def prepare_mxfp4_local(spec: MoESpec, experts: Iterable[tuple[torch.Tensor, tor
                           f"{spec.scheme.value}")
     H, I, El = spec.hidden_size, spec.intermediate_size, spec.num_local_experts
     dev = None if device is None else torch.device(device)
+    quads = spec.scheme is Scheme.A8W4
     st13 = st2 = None
     count = 0
     for item in experts:
@@ -266,7 +310,7 @@ def prepare_mxfp4_local(spec: MoESpec, experts: Iterable[tuple[torch.Tensor, tor
             raise WeightError("prepare_mxfp4_local: each expert is (w13, w13_scale, w2, w2_scale)")
         if st13 is None:
             dev = dev or item[0].device
-            st13, st2 = _MxStack("w13", El, 2 * I, H, dev), _MxStack("w2", El, H, I, dev)
+            st13, st2 = _MxStack("w13", El, 2 * I, H, dev, quads), _MxStack("w2", El, H, I, dev, quads)
         st13.put(count, item[0], item[1])
         st2.put(count, item[2], item[3])
         del item  # the plain copy goes before the next expert's is drawn
@@ -275,14 +319,21 @@ def prepare_mxfp4_local(spec: MoESpec, experts: Iterable[tuple[torch.Tensor, tor
         raise WeightError(f"prepare_mxfp4_local: {count} experts given, the spec has {El} local")
     if st13 is None:  # no local experts
         dev = dev or torch.device("cpu")
-        st13, st2 = _MxStack("w13", 0, 2 * I, H, dev), _MxStack("w2", 0, H, I, dev)
+        st13, st2 = _MxStack("w13", 0, 2 * I, H, dev, quads), _MxStack("w2", 0, H, I, dev, quads)
+    kind = GateUpKind.MX_QUADS if quads else GateUpKind.MX_TILES
+    flushed = st13.flushed + st2.flushed
+    if flushed:
+        warnings.warn(f"a8w4: {flushed} MXFP4 blocks of this layer have a scale more than 2^11 below their row's "
+                      f"largest and are flushed to zero (atom_moe/mx_quads.py); a16w4 keeps them", stacklevel=2)
     return PreparedWeights(
         scheme=spec.scheme, hidden_size=H, intermediate_size=I, num_experts=spec.num_experts,
         local_experts=spec.local_experts, num_local_experts=El, expert_map=_expert_map(spec, dev),
-        w13=GateUpTensor(st13.values, GateUpLayout.INTERLEAVED, GateUpKind.MX_TILES),
-        w13_scale=GateUpTensor(st13.scales, GateUpLayout.INTERLEAVED, GateUpKind.MX_TILES),
+        w13=GateUpTensor(st13.values, GateUpLayout.INTERLEAVED, kind),
+        w13_scale=GateUpTensor(st13.scales, GateUpLayout.INTERLEAVED, kind),
         w2=st2.values, w2_scale=st2.scales, w13_bias=w13_bias, w2_bias=w2_bias,
-        mx_scale_max=_scale_max(st13.scales, st2.scales),
+        mx_scale_max=int(torch.maximum(st13.scale_max, st2.scale_max)),
+        w13_rowexp=GateUpTensor(st13.rowexp, GateUpLayout.INTERLEAVED) if quads else None,
+        w2_rowexp=st2.rowexp, mx_flush=flushed > 0,
     )
 
 

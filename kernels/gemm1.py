@@ -14,8 +14,9 @@ the decoded weight tile [BLOCK_N, BLOCK_K] as the dot's left operand, straight f
 registers the MX tile layout fills, with no shared-memory staging of the weights, and
 transposes the accumulator once after the loop, so the epilogue is the same as for bf16/fp8.
 On an H200 this beat the weight-as-right-operand orientation 2.3-3.4x at T = 2048 and 8192
-(docs/perf/mxfp4-h200.md). a8w4 dots in bf16 there, on its e4m3 activations (exact in bf16),
-with the activation scale applied to each K step's product (a second accumulator).
+(docs/perf/mxfp4-h200.md). a8w4 reads MX quads instead and dots in fp8 (kernels/mxfp4.py), with
+the activation scale applied to each K step's product (a second accumulator) and each output
+row's exponent after the loop.
 """
 
 from __future__ import annotations
@@ -27,13 +28,13 @@ import triton.language as tl
 from atom_moe.layout import GateUpKind, GateUpLayout, GateUpTensor, LayoutError, require
 
 from .common import FP8_MAX, QGROUP, cast, dot, interpreting, tile_ids
-from .mxfp4 import launch_args, swap_step, tile_offsets
+from .mxfp4 import launch_args, row_factor, rowexp_arg, scale_step, swap_step, tile_offsets
 
 GROUP = 128  # host-side twin of common.QGROUP
 
 
 @triton.jit
-def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, bias_ptr, sorted_ptr, block_expert_ptr,
+def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr, block_expert_ptr,
                   out_ptr, outs_ptr, num_pairs, top_k, hidden, inter, n_blocks, alpha, limit, row_blocks, k_blocks,
                   FP8: tl.constexpr, W4: tl.constexpr, BIG: tl.constexpr, OAI: tl.constexpr,
                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -56,8 +57,8 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, bias_ptr, sorted_ptr, 
     else:
         a_ptrs = x_ptr + tok[:, None] * stride_x + kk[None, :]
     n64 = n.to(tl.int64)
-    if W4:  # MX tiles (kernels/mxfp4.py): int32 words, advanced per K step
-        w_off, s_off, nb_ok, kb = tile_offsets(e64, pid_n, row_blocks, k_blocks, BLOCK_N, BLOCK_K)
+    if W4:  # MX tiles, or MX quads for a8w4 (kernels/mxfp4.py), advanced per K step
+        w_off, s_off, nb_ok, kb = tile_offsets(e64, pid_n, row_blocks, k_blocks, BLOCK_N, BLOCK_K, FP8)
     else:
         w_ptrs = w_ptr + e64 * n_out * hidden + n64[None, :] * hidden + kk[:, None]
     if FP8:
@@ -82,7 +83,7 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, bias_ptr, sorted_ptr, 
         if W4:
             if FP8:
                 a_s = a_s_next
-                a_s_next = tl.load(as_ptrs + k0 // QGROUP + 1, mask=row_ok & (k0 + BLOCK_K < hidden), other=0.0)
+                a_s_next = tl.load(as_ptrs + (k0 + BLOCK_K) // QGROUP, mask=row_ok & (k0 + BLOCK_K < hidden), other=0.0)
                 acc = swap_step(acc, a, a_s, w_ptr, ws_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks,
                                 BLOCK_N, BLOCK_M, BLOCK_K, FP8, BIG, INTERP)
             else:
@@ -91,7 +92,7 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, bias_ptr, sorted_ptr, 
                 acc = swap_step(acc, a, 0.0, w_ptr, ws_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks,
                                 BLOCK_N, BLOCK_M, BLOCK_K, FP8, BIG, INTERP)
             w_off += (BLOCK_K // 64) * 128
-            s_off += (BLOCK_K // 64) * 8
+            s_off += scale_step(BLOCK_K, FP8)
         else:
             w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if FP8:
@@ -106,6 +107,8 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, bias_ptr, sorted_ptr, 
             w_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
     if W4:
+        if FP8:  # MX quads: each row's 2^(base - 133)
+            acc = acc * row_factor(rowexp_ptr, e64, n, n_ok, n_out)[:, None]
         acc = tl.trans(acc)  # the epilogue works on [BLOCK_M, BLOCK_N]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + e64 * n_out + n, mask=n_ok, other=0.0)[None, :]
@@ -137,10 +140,13 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
           w13_bias_t: GateUpTensor | None, sorted_ids: torch.Tensor, block_expert: torch.Tensor, n_blocks: int,
           top_k: int, out: torch.Tensor, out_scale: torch.Tensor | None, *, oai: bool, alpha: float,
           limit: float, block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
-          group_m: int = 8, mx_big: bool = False) -> None:
+          group_m: int = 8, mx_big: bool = False, w13_rowexp_t: GateUpTensor | None = None,
+          mx_flush: bool = False) -> None:
     """out[row, :I] = act(x[token(row)] @ w13[expert(row)]^T (+bias)), fp8-quantized when out_scale is given.
 
-    MXFP4 w13 comes as MX tiles (GateUpKind.MX_TILES); mx_big: some e8m0 scale is above 128.
+    MXFP4 w13 comes as MX tiles (a16w4; mx_big: some e8m0 scale is above 128) or, with e4m3
+    activations (a8w4), as MX quads with their row exponents w13_rowexp_t (mx_flush: some
+    blocks are flushed, atom_moe/mx_quads.py).
     """
     # The pairing of gate and up rows is checked, never assumed: a mispaired layout runs fine
     # and silently ruins accuracy.
@@ -154,24 +160,32 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
     num_tokens, hidden = x.shape
     inter = out.shape[1] if w4 else w13.shape[1] // 2
     row_blocks = k_blocks = 0
+    rowexp = w13
     if w4:
-        if w13_t.kind is not GateUpKind.MX_TILES or w13_scale_t.kind is not GateUpKind.MX_TILES:
-            raise LayoutError("GEMM1: MXFP4 w13 and w13_scale must be MX tiles (GateUpKind.MX_TILES, built by "
-                              "atom_moe.weights), not plain MXFP4 rows")
+        kind = GateUpKind.MX_QUADS if fp8 else GateUpKind.MX_TILES
+        if w13_t.kind is not kind or w13_scale_t.kind is not kind:
+            raise LayoutError(f"GEMM1: MXFP4 w13 and w13_scale must be {kind.value} for "
+                              f"{'a8w4' if fp8 else 'a16w4'} (built by atom_moe.weights for that scheme), "
+                              f"got {w13_t.kind.value} / {w13_scale_t.kind.value}")
         w13, w13_scale, row_blocks, k_blocks = launch_args("GEMM1", "w13", w13, w13_scale, 2 * inter, hidden,
-                                                           block_n, block_k)
-    if fp8 and (block_n != 2 * GROUP or block_k != GROUP):
-        raise ValueError(f"fp8 GEMM1 needs block_n=256 and block_k=128 (one 128-group per tile), "
-                         f"got block_n={block_n}, block_k={block_k}")
+                                                           block_n, block_k, quads=fp8)
+        if fp8:
+            rowexp = rowexp_arg("GEMM1", "w13_rowexp", None if w13_rowexp_t is None else
+                                require(w13_rowexp_t, GateUpLayout.INTERLEAVED, "w13_rowexp"), w13.shape[0], 2 * inter)
+    # the output tile is one whole 128-group; a8w4 may step K by 64 (its scale is applied per step)
+    if fp8 and (block_n != 2 * GROUP or block_k not in ((64, GROUP) if w4 else (GROUP,))):
+        raise ValueError(f"{'a8w4' if w4 else 'fp8'} GEMM1 needs block_n=256 and block_k="
+                         f"{'64 or 128' if w4 else '128'} (one 128-group per tile), got block_n={block_n}, "
+                         f"block_k={block_k}")
     if block_n % 2:
         raise ValueError(f"GEMM1 block_n must be even (gate/up pairs), got {block_n}")
     grid = (n_blocks * triton.cdiv(2 * inter, block_n),)
     _gemm1_kernel[grid](
-        x, x.stride(0), x_scale if fp8 else x, w13, w13_scale if w13_scale is not None else w13,
+        x, x.stride(0), x_scale if fp8 else x, w13, w13_scale if w13_scale is not None else w13, rowexp,
         w13_bias if w13_bias is not None else w13, sorted_ids, block_expert,
         out, out_scale if fp8 else out, num_tokens * top_k, top_k, hidden, inter, n_blocks,
         float(alpha), float(limit), row_blocks, k_blocks,
-        FP8=fp8, W4=w4, BIG=w4 and mx_big, OAI=oai, HAS_BIAS=w13_bias is not None,
+        FP8=fp8, W4=w4, BIG=w4 and (mx_flush if fp8 else mx_big), OAI=oai, HAS_BIAS=w13_bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         GROUP_M=group_m, INTERP=interpreting(), num_warps=num_warps, num_stages=num_stages,
     )

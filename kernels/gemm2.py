@@ -22,7 +22,8 @@ turns a local buffer address into rank s's mapping of it.
 
 MXFP4 weights are MX tiles (kernels/mxfp4.py), decoded in registers, and run swapped as in
 GEMM1: the K loop computes out^T = W @ act^T with the decoded weight tile as the dot's left
-operand and the accumulator is transposed once after the loop; a8w4 dots in bf16 as in GEMM1.
+operand and the accumulator is transposed once after the loop; a8w4 reads MX quads and dots in
+fp8 as in GEMM1.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .common import QGROUP, cast, dot, interpreting, tile_ids
-from .mxfp4 import launch_args, swap_step, tile_offsets
+from .mxfp4 import launch_args, row_factor, rowexp_arg, scale_step, swap_step, tile_offsets
 
 GROUP = 128  # host-side twin of common.QGROUP
 # Pair count from which fused_experts combines in a separate launch: on an H200 the separate
@@ -60,7 +61,7 @@ class RemoteOutput:
 
 
 @triton.jit
-def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, sorted_ptr, block_expert_ptr,
+def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr, block_expert_ptr,
                   ids_ptr, emap_ptr, topk_w_ptr, partial_ptr, counters_ptr, n_counters, out_ptr, stride_out,
                   num_pairs, num_experts, hidden, inter, n_blocks,
                   delta_ptr, info_ptr, slots_ptr, returned_ptr, capacity, rank, row_blocks, k_blocks,
@@ -86,8 +87,8 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, sorted_ptr, block_expe
     else:
         a_ptrs = a_ptr + rows64[:, None] * inter + kk[None, :]
     n64 = n.to(tl.int64)
-    if W4:  # MX tiles (kernels/mxfp4.py): int32 words, advanced per K step
-        w_off, s_off, nb_ok, kb = tile_offsets(e64, pid_n, row_blocks, k_blocks, BLOCK_N, BLOCK_K)
+    if W4:  # MX tiles, or MX quads for a8w4 (kernels/mxfp4.py), advanced per K step
+        w_off, s_off, nb_ok, kb = tile_offsets(e64, pid_n, row_blocks, k_blocks, BLOCK_N, BLOCK_K, FP8)
     else:
         w_ptrs = w_ptr + e64 * hidden * inter + n64[None, :] * inter + kk[:, None]
     if FP8:
@@ -120,14 +121,14 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, sorted_ptr, block_expe
         if W4:
             if FP8:
                 a_s = a_s_next
-                a_s_next = tl.load(as_ptrs + k0 // QGROUP + 1, mask=row_ok & (k0 + BLOCK_K < inter), other=0.0)
+                a_s_next = tl.load(as_ptrs + (k0 + BLOCK_K) // QGROUP, mask=row_ok & (k0 + BLOCK_K < inter), other=0.0)
                 acc = swap_step(acc, a, a_s, w_ptr, ws_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks,
                                 BLOCK_N, BLOCK_M, BLOCK_K, FP8, BIG, INTERP)
             else:
                 acc = swap_step(acc, a, 0.0, w_ptr, ws_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks,
                                 BLOCK_N, BLOCK_M, BLOCK_K, FP8, BIG, INTERP)
             w_off += (BLOCK_K // 64) * 128
-            s_off += (BLOCK_K // 64) * 8
+            s_off += scale_step(BLOCK_K, FP8)
         else:
             w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if FP8:
@@ -140,6 +141,8 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, sorted_ptr, block_expe
             w_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
     if W4:
+        if FP8:  # MX quads: each row's 2^(base - 133)
+            acc = acc * row_factor(rowexp_ptr, e64, n, n_ok, hidden)[:, None]
         acc = tl.trans(acc)  # the epilogue works on [BLOCK_M, BLOCK_N]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + e64 * hidden + n, mask=n_ok, other=0.0)[None, :]
@@ -230,13 +233,14 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
           partial: torch.Tensor, counters: torch.Tensor, n_counters: int, out: torch.Tensor, *,
           block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int, group_m: int = 8,
           remote: "RemoteOutput | None" = None, separate: bool = False, hidden: int | None = None,
-          mx_big: bool = False) -> None:
+          mx_big: bool = False, w2_rowexp: torch.Tensor | None = None, mx_flush: bool = False) -> None:
     """out[t] = sum_k w[t,k] * (act[row(t,k)] @ w2[e]^T (+bias)), deterministic combine.
 
     remote: push the results to the source ranks instead of `out` (see the module docstring).
     separate: only write the weighted rows to `partial` (from `separate_partial`); the
     caller then runs `combine`. hidden (H): required for MXFP4, whose MX tiles are padded;
-    mx_big: some MXFP4 e8m0 scale is above 128.
+    mx_big: some MXFP4 e8m0 scale is above 128 (a16w4). a8w4's w2 is MX quads, with its row
+    exponents w2_rowexp (uint8 [E, H]) and mx_flush (atom_moe/mx_quads.py).
     """
     fp8 = a_scale is not None  # e4m3 activations (fp8, a8w4)
     w4 = w2.dtype == torch.uint8  # MXFP4 weights (a16w4, a8w4): MX tiles [E, H/16, I/64, 512]
@@ -248,15 +252,18 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
     if w4:
         if hidden is None:
             raise ValueError("GEMM2: MXFP4 (MX tile) weights need hidden=H: the tiles are padded to 16 rows")
-        w2, w2_scale, row_blocks, k_blocks = launch_args("GEMM2", "w2", w2, w2_scale, hidden, inter, block_n, block_k)
+        w2, w2_scale, row_blocks, k_blocks = launch_args("GEMM2", "w2", w2, w2_scale, hidden, inter, block_n, block_k,
+                                                         quads=fp8)
+        rowexp = rowexp_arg("GEMM2", "w2_rowexp", w2_rowexp, w2.shape[0], hidden) if fp8 else w2
     else:
         if hidden is not None and hidden != w2.shape[1]:
             raise ValueError(f"GEMM2: hidden={hidden} but w2 {tuple(w2.shape)} has {w2.shape[1]} rows")
         hidden = w2.shape[1]
     if not w4 and w2.shape[2] != inter:
         raise ValueError(f"GEMM2: w2 {tuple(w2.shape)} does not match the activation width I={inter}")
-    if fp8 and block_k != GROUP:
-        raise ValueError(f"fp8 GEMM2 needs block_k=128 (one activation group per step), got {block_k}")
+    if fp8 and block_k not in ((64, GROUP) if w4 else (GROUP,)):  # a8w4: half a group per step is fine too
+        raise ValueError(f"{'a8w4' if w4 else 'fp8'} GEMM2 needs block_k={'64 or 128' if w4 else '128'} "
+                         f"(whole activation groups per step), got {block_k}")
     if triton.cdiv(hidden, block_n) > n_counters:
         raise ValueError(f"GEMM2 block_n={block_n} needs {triton.cdiv(hidden, block_n)} counters per token, "
                          f"the workspace has {n_counters}")
@@ -264,11 +271,12 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
         raise ValueError("GEMM2 separate combine: local output only, partial in out's dtype (separate_partial)")
     grid = (n_blocks * triton.cdiv(hidden, block_n),)
     _gemm2_kernel[grid](
-        a, a_scale if fp8 else a, w2, w2_scale if w2_scale is not None else w2, w2_bias if w2_bias is not None else w2,
+        a, a_scale if fp8 else a, w2, w2_scale if w2_scale is not None else w2, rowexp if w4 else w2,
+        w2_bias if w2_bias is not None else w2,
         sorted_ids, block_expert, topk_ids, expert_map, topk_weights, partial, counters, n_counters,
         out, out.stride(0), num_tokens * top_k, expert_map.shape[0], hidden, inter, n_blocks,
         *(remote.args() if remote is not None else (partial,) * 4 + (1, 0)), row_blocks, k_blocks,
-        FP8=fp8, W4=w4, BIG=w4 and mx_big, HAS_BIAS=w2_bias is not None, TOPK=top_k, KP2=triton.next_power_of_2(top_k),
+        FP8=fp8, W4=w4, BIG=w4 and (mx_flush if fp8 else mx_big), HAS_BIAS=w2_bias is not None, TOPK=top_k, KP2=triton.next_power_of_2(top_k),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, INTERP=interpreting(),
         REMOTE=remote is not None, SEPARATE=separate,
         num_warps=num_warps, num_stages=num_stages,

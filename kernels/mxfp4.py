@@ -1,4 +1,4 @@
-"""MXFP4 weight tiles decoded in registers, from the MX tile layout (atom_moe/mx_tiles.py).
+"""MXFP4 weight tiles decoded in registers: MX tiles (atom_moe/mx_tiles.py) and, for a8w4, MX quads.
 
 The GEMMs read MX tiles as int32 words: a [BLOCK_N, BLOCK_K] weight tile is NB x KB blocks of
 16 rows x 64 k (NB = BLOCK_N / 16, KB = BLOCK_K / 64), 128 words each, plus one scale word per
@@ -14,10 +14,15 @@ reference. Against the plain-row layout (`scripts/kernel_sass.py`, sm_90a): 4.3-
 instructions per weight in the GEMMs' K loop instead of 12.6; on an H200 the gpt-oss layer
 got 1.9-3.1x faster at T <= 512 (docs/perf/mxfp4-h200.md).
 
-a8w4 uses the same bf16 tiles (bf16 dots, kernels/gemm1.py says why): Hopper's fp8 mma wants
-each thread's A fragment as k-quads, the bf16 one as k-pairs, so fp8 dots from this layout
-would need a shared-memory restage per tile; measured at 0.07-0.08 of the fp8 floor before
-this layout, against 0.13-0.16 for bf16 dots after it (docs/perf/mxfp4-h200.md).
+a8w4 streams its own layout, MX quads (atom_moe/mx_quads.py): each word holds one row's
+codes for two e4m3 mma A-fragment registers (k-quads), and `tile_e4m3` turns it into them
+with one byte permute (PRMT) per 4 codes, through an 8-byte table that folds the block's
+scale into the e4m3 exponent (value * 2^(s - base + 6), exact). The dots are fp8; each K
+step's product is scaled by the activation scale (per token-group-128) into the fp32
+accumulator, and `row_factor` applies 2^(base - 133) per output row after the loop.
+FLUSH (set at preparation when some block sits more than 2^11 below its row's largest
+scale) zeroes those blocks' tables, as the torch twin does. Off NVIDIA GPUs and under the
+interpreter the table lookup is shifts and masks instead of PRMT.
 
 Under TRITON_INTERPRET=1 the decode works in fp32 holding the same bf16 bit patterns (the
 interpreter flushes bf16 subnormals) and rounds with `cast`.
@@ -34,15 +39,21 @@ from atom_moe import mx_tiles
 from .common import cast, dot, interpreting
 
 MASK = tl.constexpr(mx_tiles.MASK)
+PRMT_OK = tl.constexpr(torch.version.hip is None)  # PRMT is PTX: NVIDIA only
 OUT3_R8 = tl.constexpr(mx_tiles.OUT3_MASKS[-8])
 OUT3_R3 = tl.constexpr(mx_tiles.OUT3_MASKS[-3])
 OUT3_L2 = tl.constexpr(mx_tiles.OUT3_MASKS[2])
 
 
 @triton.jit
-def tile_offsets(expert64, pid_n, row_blocks, k_blocks, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(word offsets [NB, KB, 32, 4], scale-word offsets [NB, KB, 8], row-block ok [NB], kb [KB]) of
-    the tile at column tile pid_n, K step 0; advance by KB * 128 and KB * 8 words per K step."""
+def tile_offsets(expert64, pid_n, row_blocks, k_blocks, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 QUADS: tl.constexpr = False):
+    """(word offsets [NB, KB, 32, 4], scale offsets, row-block ok [NB], kb [KB]) of the tile at column
+    tile pid_n, K step 0; advance by KB * 128 words and `scale_step(BLOCK_K, QUADS)` per K step.
+
+    Scale offsets: MX tiles, int32 words [NB, KB, 8] (one per row pair); MX quads (QUADS), the
+    residual bytes [NB, KB, 32, 4] each lane needs for its 4 words (a per-lane load keeps the
+    table math in the words' own layout, so the decoded tile needs no shared-memory restage)."""
     NB: tl.constexpr = BLOCK_N // 16
     KB: tl.constexpr = BLOCK_K // 64
     nb = pid_n * NB + tl.arange(0, NB)
@@ -50,8 +61,20 @@ def tile_offsets(expert64, pid_n, row_blocks, k_blocks, BLOCK_N: tl.constexpr, B
     blk = (expert64 * row_blocks + nb)[:, None] * k_blocks + kb[None, :]
     lane_j = tl.arange(0, 32)[:, None] * 4 + tl.arange(0, 4)[None, :]
     w_off = blk[:, :, None, None] * 128 + lane_j[None, None, :, :]
-    s_off = blk[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    if QUADS:
+        s_off = blk[:, :, None, None] * 32 + lane_j[None, None, :, :] // 16 * 4 + tl.arange(0, 4)[None, None, None, :]
+    else:
+        s_off = blk[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
     return w_off, s_off, nb < row_blocks, kb
+
+
+@triton.jit
+def scale_step(BLOCK_K: tl.constexpr, QUADS: tl.constexpr):
+    """How far the scale offsets advance per K step (int32 words, or residual bytes for QUADS)."""
+    if QUADS:
+        return (BLOCK_K // 64) * 32
+    else:
+        return (BLOCK_K // 64) * 8
 
 
 @triton.jit
@@ -60,7 +83,10 @@ def load_tile(w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks):
     kb_ok = (k0 // 64 + kb) < k_blocks
     ok = nb_ok[:, None] & kb_ok[None, :]
     words = tl.load(w_ptr + w_off, mask=ok[:, :, None, None], other=0)
-    swords = tl.load(s_ptr + s_off, mask=ok[:, :, None], other=0)
+    if len(s_off.shape) == 4:  # MX quads: residual bytes per lane
+        swords = tl.load(s_ptr + s_off, mask=ok[:, :, None, None], other=0)
+    else:
+        swords = tl.load(s_ptr + s_off, mask=ok[:, :, None], other=0)
     return words, swords
 
 
@@ -120,17 +146,69 @@ def tile_bf16(words, swords, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BIG: 
 
 
 @triton.jit
+def _lookup(t_lo, t_hi, sel, PRMT: tl.constexpr):
+    """Byte i = byte (sel >> 4i) & 7 of the 8-byte table (t_lo, t_hi), for the 4 selector nibbles of
+    sel (bit 3 of each clear): one PRMT on NVIDIA GPUs, shifts and masks elsewhere."""
+    if PRMT:
+        out = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [t_lo, t_hi, sel],
+                                        dtype=tl.uint32, is_pure=True, pack=1)
+    else:
+        out = tl.zeros_like(sel)
+        for i in tl.static_range(4):
+            c = (sel >> (4 * i)) & 7
+            t = tl.where(c < 4, t_lo, t_hi)
+            out = out | (((t >> (8 * (c & 3))) & 0xFF) << (8 * i))
+    return out
+
+
+@triton.jit
+def tile_e4m3(words, resid, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLUSH: tl.constexpr,
+              PRMT: tl.constexpr):
+    """MX quad words [NB, KB, 32, 4] + residual bytes [NB, KB, 32, 4] -> e4m3 tile [BLOCK_N, BLOCK_K]
+    holding value * 2^(s - base + 6), exact (atom_moe/mx_quads.py)."""
+    NB: tl.constexpr = BLOCK_N // 16
+    KB: tl.constexpr = BLOCK_K // 64
+    w = words.to(tl.uint32, bitcast=True)
+    d = resid.to(tl.uint32)
+    # table bytes for magnitudes 0..7 = {0, 0.5, 1, 1.5, 2, 3, 4, 6} * 2^(d - 6) in e4m3
+    t_lo = d * 0x08080800 + 0x0C080000
+    t_hi = d * 0x08080808 + 0x1C181410
+    if FLUSH:  # d outside [1, 12]: the block is flushed to zero
+        keep = (d - 1) < 12
+        t_lo = tl.where(keep, t_lo, 0)
+        t_hi = tl.where(keep, t_hi, 0)
+    reg0 = _lookup(t_lo, t_hi, w & 0x7777, PRMT) | (w & 0x80808080)
+    reg1 = _lookup(t_lo, t_hi, (w >> 16) & 0x7777, PRMT) | ((w << 4) & 0x80808080)
+    r = tl.join(reg0, reg1)  # nb kb lane j t
+    b = tl.join(tl.join(r & 0xFF, (r >> 16) & 0xFF), tl.join((r >> 8) & 0xFF, r >> 24)).to(tl.uint8)
+    b = tl.reshape(b, (NB, KB, 8, 4, 2, 2, 2, 4))  # nb kb g q s h t i
+    b = tl.reshape(tl.permute(b, (0, 5, 2, 1, 4, 6, 3, 7)), (BLOCK_N, BLOCK_K))  # nb h g | kb s t q i
+    return b.to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def row_factor(rowexp_ptr, e64, n, n_ok, n_rows):
+    """fp32 2^(base - 133) for rows n of expert e64 (NaN where base is the e8m0 NaN byte)."""
+    base = tl.load(rowexp_ptr + e64 * n_rows + n, mask=n_ok, other=127).to(tl.int32)
+    bits = tl.where(base >= 7, (base - 6) << 23, 1 << (base + 16))  # 2^(base-133): subnormal below 7
+    f = bits.to(tl.float32, bitcast=True)
+    return tl.where(base == 255, float("nan"), f)
+
+
+@triton.jit
 def swap_step(acc, a, a_s, w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks, BLOCK_N: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, BIG: tl.constexpr,
               INTERP: tl.constexpr):
-    """acc^T [BLOCK_N, BLOCK_M] plus one K step of W @ a^T: a is [BLOCK_K, BLOCK_M] bf16, or (FP8)
-    e4m3 with per-token scales a_s, exact in bf16, the scale applied to the step's product."""
+    """acc^T [BLOCK_N, BLOCK_M] plus one K step of W @ a^T. a is [BLOCK_K, BLOCK_M]: bf16 against
+    MX tiles, or (FP8) e4m3 against MX quads, with per-token scales a_s applied to the step's fp8
+    product (BIG: MX tiles' scales above 128; for MX quads it is FLUSH)."""
     words, swords = load_tile(w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks)
-    w = tile_bf16(words, swords, BLOCK_N, BLOCK_K, BIG, INTERP)
     if FP8:
-        step = dot(w, a.to(tl.bfloat16), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), INTERP)
+        w = tile_e4m3(words, swords, BLOCK_N, BLOCK_K, BIG, not INTERP and PRMT_OK)
+        step = tl.dot(w, a)
         acc = acc + step * a_s[None, :]
     else:
+        w = tile_bf16(words, swords, BLOCK_N, BLOCK_K, BIG, INTERP)
         acc = dot(w, a, acc, INTERP)
     return acc
 
@@ -159,8 +237,9 @@ def words(t: torch.Tensor) -> torch.Tensor:
 
 
 def launch_args(gemm: str, name: str, values: torch.Tensor, scales: torch.Tensor, n: int, k: int, block_n: int,
-                block_k: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """Check [E, ...] MX tiles of an [n, k] weight and the tile; (value words, scale words, row blocks, k blocks)."""
+                block_k: int, quads: bool = False) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """Check [E, ...] MX tiles (or quads) of an [n, k] weight and the tile; (value words, scale words or
+    residual bytes, row blocks, k blocks)."""
     if values.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"{gemm}: MX tiles {name} and their scales must be uint8, got {values.dtype}, {scales.dtype}")
     want_v, want_s = mx_tiles.tiled_shapes(n, k)
@@ -171,7 +250,17 @@ def launch_args(gemm: str, name: str, values: torch.Tensor, scales: torch.Tensor
     if block_n % mx_tiles.ROWS or block_k % mx_tiles.KS:
         raise ValueError(f"MXFP4 {gemm} needs block_n % 16 == 0 and block_k % 64 == 0 (whole MX tile blocks), "
                          f"got block_n={block_n}, block_k={block_k}")
-    return words(values), words(scales), want_v[0], want_v[1]
+    return words(values), scales if quads else words(scales), want_v[0], want_v[1]
+
+
+def rowexp_arg(gemm: str, name: str, rowexp: torch.Tensor | None, experts: int, n: int) -> torch.Tensor:
+    """Check MX quads' row exponents: uint8 [experts, n]."""
+    if rowexp is None:
+        raise ValueError(f"{gemm}: a8w4 (MX quads) needs {name}, uint8 [E, {n}] (atom_moe/mx_quads.py)")
+    if rowexp.dtype != torch.uint8 or tuple(rowexp.shape) != (experts, n) or not rowexp.is_contiguous():
+        raise ValueError(f"{gemm}: {name} must be contiguous uint8 [{experts}, {n}], got {rowexp.dtype} "
+                         f"{tuple(rowexp.shape)}")
+    return rowexp
 
 
 def dequantize(values: torch.Tensor, scales: torch.Tensor, n: int, k: int, *, big: bool | None = None,
@@ -192,3 +281,42 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor, n: int, k: int, *, bi
     _dequant_kernel[grid](words(values.contiguous()), words(scales.contiguous()), out, n, k, want_v[0], want_v[1],
                           BIG=big, BLOCK_N=block_n, BLOCK_K=block_k, INTERP=interpreting())
     return out
+
+
+@triton.jit
+def _dequant_quads_kernel(w_ptr, r_ptr, rowexp_ptr, out_ptr, n_rows, k, row_blocks, k_blocks, FLUSH: tl.constexpr,
+                          PRMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    k0 = tl.program_id(1) * BLOCK_K
+    e64 = tl.program_id(2).to(tl.int64)
+    w_off, r_off, nb_ok, kb = tile_offsets(e64, pid_n, row_blocks, k_blocks, BLOCK_N, BLOCK_K, True)
+    words, resid = load_tile(w_ptr, r_ptr, w_off + (k0 // 64) * 128, r_off + (k0 // 64) * 32, nb_ok, kb, k0, k_blocks)
+    w = tile_e4m3(words, resid, BLOCK_N, BLOCK_K, FLUSH, PRMT).to(tl.float32)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = k0 + tl.arange(0, BLOCK_K)
+    full = w * row_factor(rowexp_ptr, e64, n, n < n_rows, n_rows)[:, None]
+    base = out_ptr + e64 * n_rows * k
+    tl.store(base + n.to(tl.int64)[:, None] * k + kk[None, :], full, mask=(n < n_rows)[:, None] & (kk < k)[None, :])
+
+
+def dequantize_quads(values: torch.Tensor, residuals: torch.Tensor, rowexp: torch.Tensor, n: int, k: int, *,
+                     flush: bool = True, block_n: int = 32, block_k: int = 128) -> torch.Tensor:
+    """fp32 [..., n, k] from MX quads through the a8w4 decoder (tests: equal to the twin's weights)."""
+    want_v, want_s = mx_tiles.tiled_shapes(n, k)
+    lead = values.shape[:-3]
+    if (tuple(values.shape[-3:]) != want_v or tuple(residuals.shape) != (*lead, *want_s)
+            or tuple(rowexp.shape) != (*lead, n)):
+        raise ValueError(f"MX quads {tuple(values.shape)} / {tuple(residuals.shape)} / {tuple(rowexp.shape)} "
+                         f"do not fit [{n}, {k}]")
+    experts = int(torch.tensor(lead).prod()) if lead else 1
+    out = torch.empty(*lead, n, k, dtype=torch.float32, device=values.device)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k), experts)
+    _dequant_quads_kernel[grid](words(values.contiguous()), residuals.contiguous(), rowexp.contiguous(), out, n, k,
+                                want_v[0], want_v[1], FLUSH=flush, PRMT=use_prmt(), BLOCK_N=block_n,
+                                BLOCK_K=block_k)
+    return out
+
+
+def use_prmt() -> bool:
+    """Whether the a8w4 decode may use PTX's PRMT (NVIDIA GPUs, not the interpreter)."""
+    return torch.version.hip is None and not interpreting()

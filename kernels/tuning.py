@@ -59,9 +59,11 @@ class TileConfig:
             raise ConfigError(f"block_m={self.block_m} exceeds the workspace bound {MAX_BLOCK_M}")
         if self.block_n2 < MIN_BLOCK_N2:
             raise ConfigError(f"block_n2={self.block_n2} is below {MIN_BLOCK_N2} (combine counters per token)")
-        if scheme in FP8_ACT and (self.block_n1, self.block_k1, self.block_k2) != (256, 128, 128):
-            raise ConfigError(f"{scheme} needs block_n1=256, block_k1=128, block_k2=128 (whole 128-groups), got "
-                              f"{self.block_n1}, {self.block_k1}, {self.block_k2}")
+        # a8w4 may step K by 64 too: its activation scale is applied per step, read per 128-group
+        ks = (64, 128) if scheme == "a8w4" else (128,)
+        if scheme in FP8_ACT and (self.block_n1 != 256 or self.block_k1 not in ks or self.block_k2 not in ks):
+            raise ConfigError(f"{scheme} needs block_n1=256 and block_k1, block_k2 in {ks} (whole 128-groups per "
+                              f"GEMM1 tile), got {self.block_n1}, {self.block_k1}, {self.block_k2}")
         if scheme in MXFP4 and (self.block_n1 % 16 or self.block_n2 % 16 or self.block_k1 % 64 or self.block_k2 % 64):
             raise ConfigError(f"{scheme} needs block_n1, block_n2 multiples of 16 and block_k1, block_k2 multiples "
                               f"of 64 (whole MX tile blocks), got n {self.block_n1}, {self.block_n2}, "
@@ -132,8 +134,11 @@ def heuristic(scheme: str, hidden: int, inter: int, num_experts: int, top_k: int
     bm = 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 128 else 128
     # MXFP4 schemes start from their activation twin's tiles (a8w4 ~ fp8, a16w4 ~ bf16), all of
     # them whole MX tile blocks; their own H200 rows come from `atom-moe tune`.
-    if scheme == "a8w4":  # its two fp32 accumulators spill above 32 x 256 (sm_90 SASS)
-        return TileConfig(min(bm, 32), 256, 128, 8, 3, 128, 128, 8, 3)
+    if scheme == "a8w4":  # two fp32 accumulators of 256 x BLOCK_M; K step 64 halves the decoded tile's
+        # registers (the gpt-oss H200 tuning picked it at every T): 8 warps from BLOCK_M 64
+        if bm <= 32:
+            return TileConfig(bm, 256, 64, 4, 3, 64, 64, 4, 3)
+        return TileConfig(64, 256, 64, 8, 3, 256, 64, 8, 3)
     if scheme in FP8_ACT:  # BLOCK_M 128 with a 256-wide fp32 tile spills: cap at 64
         if bm <= 32:
             return TileConfig(bm, 256, 128, 4, 4, 128, 128, 4, 4)

@@ -42,26 +42,27 @@ TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 INSTR = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)")
 
 
-def _types(scheme: str) -> tuple[str, str]:
-    """(activation pointer type, weight pointer type) of a scheme, as the launchers pass them."""
+def _types(scheme: str) -> tuple[str, str, str]:
+    """(activation, weight, weight scale) pointer types of a scheme, as the launchers pass them."""
     act = "*fp8e4nv" if scheme in ("fp8", "a8w4") else "*bf16"
-    weight = {"bf16": "*bf16", "fp8": "*fp8e4nv"}.get(scheme, "*i32")  # MX tiles are read as int32 words
-    return act, weight
+    weight = {"bf16": "*bf16", "fp8": "*fp8e4nv"}.get(scheme, "*i32")  # MX tiles / quads: int32 words
+    # fp8 block scales; MX quads' residual bytes; MX tiles' scale words (bf16: unused)
+    scale = {"fp8": "*fp32", "a8w4": "*u8"}.get(scheme, "*i32")
+    return act, weight, scale
 
 
 def signature(kernel: str, scheme: str) -> tuple[object, dict, list[str]]:
     """(kernel, argument types, arguments specialized as divisible by 16)."""
-    act, weight = _types(scheme)
+    act, weight, scale = _types(scheme)
     if kernel == "gemm1":
-        sig = {"x_ptr": act, "stride_x": "i32", "xs_ptr": "*fp32", "w_ptr": weight, "ws_ptr": "*fp32" if scheme == "fp8"
-               else "*i32", "bias_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "out_ptr": act,
+        sig = {"x_ptr": act, "stride_x": "i32", "xs_ptr": "*fp32", "w_ptr": weight, "ws_ptr": scale,
+               "rowexp_ptr": "*u8", "bias_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "out_ptr": act,
                "outs_ptr": "*fp32", "num_pairs": "i32", "top_k": "i32", "hidden": "i32", "inter": "i32",
                "n_blocks": "i32", "alpha": "fp32", "limit": "fp32", "row_blocks": "i32", "k_blocks": "i32"}
         div = ["x_ptr", "stride_x", "xs_ptr", "w_ptr", "ws_ptr", "bias_ptr", "sorted_ptr", "block_expert_ptr",
                "out_ptr", "outs_ptr", "hidden", "inter"]
         return _gemm1_kernel, sig, div
-    sig = {"a_ptr": act, "as_ptr": "*fp32", "w_ptr": weight, "ws_ptr": "*fp32" if scheme == "fp8" else "*i32",
-           "bias_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "ids_ptr": "*i32",
+    sig = {"a_ptr": act, "as_ptr": "*fp32", "w_ptr": weight, "ws_ptr": scale, "rowexp_ptr": "*u8", "bias_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "ids_ptr": "*i32",
            "emap_ptr": "*i32", "topk_w_ptr": "*fp32", "partial_ptr": "*bf16", "counters_ptr": "*i32",
            "n_counters": "i32", "out_ptr": "*bf16", "stride_out": "i32", "num_pairs": "i32", "num_experts": "i32",
            "hidden": "i32", "inter": "i32", "n_blocks": "i32", "delta_ptr": "*i64", "info_ptr": "*i32",

@@ -280,7 +280,7 @@ def test_tile_configs_agree(seed, scheme):
     for bm, n2, k in ((16, 32, 32), (32, 64, 64), (64, 128, 128)):
         if mx:
             k = max(k, 64)
-        n1, k1, k2 = (256, 128, 128) if scheme in ("fp8", "a8w4") else (32, k, k)
+        n1, k1, k2 = (256, 128, 128) if scheme == "fp8" else (256, k, k) if scheme == "a8w4" else (32, k, k)
         cfg = TileConfig(bm, n1, k1, base.warps1, 2, n2, k2, base.warps2, 2, group_m=2)
         got = fused_experts(x, w, ids, p, spec, config=cfg)
         assert rel_err(got, twin) <= 1e-2, cfg

@@ -141,11 +141,16 @@ def test_int64_offsets_mxfp4(seed, scheme):
     u8 = dict(dtype=torch.uint8, device="cuda")
     w13 = torch.randint(0, 256, (E, 2 * I // 16, H // 64, 512), **u8)
     w2 = torch.randint(0, 256, (E, H // 16, I // 64, 512), **u8)
-    s13 = torch.randint(116, 122, (E, 2 * I // 16, H // 64, 32), **u8)  # ~2^-8: unit-ish rows
-    s2 = torch.randint(117, 123, (E, H // 16, I // 64, 32), **u8)
+    quads = scheme == "a8w4"  # MX quads: residual bytes in [1, 12] (none flushed), exponents per row
+    kind = GateUpKind.MX_QUADS if quads else GateUpKind.MX_TILES
+    lo, hi = (6, 13) if quads else (116, 122)  # ~2^-8: unit-ish rows
+    s13 = torch.randint(lo, hi, (E, 2 * I // 16, H // 64, 32), **u8)
+    s2 = torch.randint(lo, hi, (E, H // 16, I // 64, 32), **u8)
+    rowexp = dict(w13_rowexp=GateUpTensor(torch.randint(119, 122, (E, 2 * I), **u8), GateUpLayout.INTERLEAVED),
+                  w2_rowexp=torch.randint(119, 122, (E, H), **u8)) if quads else {}
     p = PreparedWeights(spec.scheme, H, I, E, tuple(range(E)), E, torch.arange(E, dtype=torch.int32, device="cuda"),
-                        GateUpTensor(w13, GateUpLayout.INTERLEAVED, GateUpKind.MX_TILES),
-                        GateUpTensor(s13, GateUpLayout.INTERLEAVED, GateUpKind.MX_TILES), w2, s2)
+                        GateUpTensor(w13, GateUpLayout.INTERLEAVED, kind),
+                        GateUpTensor(s13, GateUpLayout.INTERLEAVED, kind), w2, s2, **rowexp)
     T = 33
     ids = torch.stack([torch.randperm(8)[:k] + E - 8 for _ in range(T)]).to(torch.int32).cuda()
     ids[:, 0] = torch.randint(0, E, (T,), dtype=torch.int32).cuda()

@@ -225,20 +225,20 @@ def test_interleaved_source_equals_separated_source(seed, src, scheme, bias):
     a = prepare_stacked(spec, sep13, w2, layout="separated", w13_scale=sep_s, w2_scale=s2, w13_bias=b13s,
                         w2_bias=b2)
     b = prepare_stacked(spec, int13, w2, layout=INT, w13_scale=int_s, w2_scale=s2, w13_bias=b13i, w2_bias=b2)
-    for x, y in ((a.w13, b.w13), (a.w13_scale, b.w13_scale), (a.w13_bias, b.w13_bias)):
+    for x, y in ((a.w13, b.w13), (a.w13_scale, b.w13_scale), (a.w13_bias, b.w13_bias), (a.w13_rowexp, b.w13_rowexp)):
         assert (x is None) == (y is None)
         if x is not None:
             assert x.layout is INT and y.layout is INT and x.kind is y.kind
             assert same_bits(x.data, y.data)
-    for x, y in ((a.w2, b.w2), (a.w2_scale, b.w2_scale), (a.w2_bias, b.w2_bias)):
+    for x, y in ((a.w2, b.w2), (a.w2_scale, b.w2_scale), (a.w2_bias, b.w2_bias), (a.w2_rowexp, b.w2_rowexp)):
         assert (x is None) == (y is None)
         if x is not None:
             assert same_bits(x, y)
     # and both are the interleaved form of the source: gate row j at 2j, up row j at 2j+1
     if src == {"bf16": "bf16", "fp8": "fp8", "a16w4": "mxfp4", "a8w4": "mxfp4"}[scheme]:
         w13, w13_scale = a.w13, a.w13_scale
-        if spec.scheme.is_mxfp4:  # stored as MX tiles: their plain form
-            assert a.w13.kind is GateUpKind.MX_TILES
+        if spec.scheme.is_mxfp4:  # stored as MX tiles (a16w4) or quads (a8w4): their plain form
+            assert a.w13.kind is (GateUpKind.MX_QUADS if scheme == "a8w4" else GateUpKind.MX_TILES)
             w13, w13_scale, _, _ = plain_mxfp4(a)
         assert same_bits(w13.data, int13.to(w13.data.dtype))
         if int_s is not None:

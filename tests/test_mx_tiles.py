@@ -202,7 +202,7 @@ def old_plain(spec: MoESpec, gate, up, down):
     return torch.stack(q13), torch.stack(s13), torch.stack(q2), torch.stack(s2)
 
 
-@pytest.mark.parametrize("scheme", ["a16w4", "a8w4"])
+@pytest.mark.parametrize("scheme", ["a16w4"])  # a8w4's MX quads: tests/test_mx_quads.py
 @pytest.mark.parametrize("H, I, rank, world", [(96, 160, 0, 1), (160, 96, 1, 2), (128, 64, 2, 3)])
 @pytest.mark.parametrize("src", ["bf16", "mxfp4"])
 def test_prepare_stacked_gives_mx_tiles_of_the_plain_result(seed, scheme, H, I, rank, world, src):
@@ -263,7 +263,7 @@ def test_mx_scale_max(seed):
 
 def test_plain_mxfp4_and_check_errors(seed):
     H, I, E = 64, 64, 3
-    spec = MoESpec.create(hidden_size=H, intermediate_size=I, num_experts=E, top_k=2, scheme="a8w4")
+    spec = MoESpec.create(hidden_size=H, intermediate_size=I, num_experts=E, top_k=2, scheme="a16w4")
     p = prepare_stacked(spec, torch.randn(E, 2 * I, H), torch.randn(E, H, I), layout="separated")
     bf = prepare_stacked(dataclasses.replace(spec, scheme=Scheme.BF16), torch.randn(E, 2 * I, H), torch.randn(E, H, I),
                          layout="separated")
@@ -272,16 +272,19 @@ def test_plain_mxfp4_and_check_errors(seed):
     q13, s13, q2, s2 = plain_mxfp4(p)
     # plain MXFP4 in PreparedWeights is not a kernel format: check() says so, plain_mxfp4 refuses it
     plain = dataclasses.replace(p, w13=q13, w13_scale=s13, w2=q2, w2_scale=s2)
-    with pytest.raises(WeightError, match="w13 is kind rows, a8w4 weights need mx_tiles.*plain MXFP4 is not"):
+    with pytest.raises(WeightError, match="w13 is kind rows, a16w4 weights need mx_tiles.*plain MXFP4 is not"):
         plain.check(spec)
-    with pytest.raises(WeightError, match="plain_mxfp4: w13 must be MX tiles"):
+    # a16w4 and a8w4 no longer share a format: MX tiles do not pass as a8w4 weights
+    with pytest.raises(WeightError, match=r"\(scheme, H, I, E, local experts\) = \(<Scheme.A16W4"):
+        p.check(dataclasses.replace(spec, scheme=Scheme.A8W4))
+    with pytest.raises(WeightError, match="plain_mxfp4: w13 must be mx_tiles for a16w4"):
         plain_mxfp4(plain)
     with pytest.raises(TypeError, match="slice or index list"):
         plain_mxfp4(p, 0)
     # every tensor's shape and dtype is checked against the tiled shapes
     bad = copy.copy(p)
     bad.w2 = p.w2[:, :-1]
-    with pytest.raises(WeightError, match=r"w2 is uint8 \[3, 3, 1, 512\], a8w4 weights need uint8 \[3, 4, 1, 512\]"):
+    with pytest.raises(WeightError, match=r"w2 is uint8 \[3, 3, 1, 512\], a16w4 weights need uint8 \[3, 4, 1, 512\]"):
         bad.check(spec)
     bad = copy.copy(p)
     bad.w2_scale = None
@@ -307,8 +310,12 @@ def test_prepared_shapes_and_nbytes():
     # no padding at 2880: the plain MXFP4 bytes, 0.5 + 1/32 per weight
     assert prepared_nbytes(spec) == 4 * 128 + 16 * 3 * 2880 * 2880 * (0.5 + 1 / 32) + 4 * 16 * (2 * 2880 + 2880)
     # padding counted where K is not a multiple of 64 (H = 96 -> 128)
-    small = MoESpec.create(hidden_size=96, intermediate_size=64, num_experts=2, top_k=1, scheme="a8w4")
-    assert prepared_nbytes(small) == 4 * 2 + 2 * (128 * 128 // 2 + 128 * 128 // 32 + 96 * 64 // 2 + 96 * 64 // 32)
+    small = MoESpec.create(hidden_size=96, intermediate_size=64, num_experts=2, top_k=1, scheme="a16w4")
+    tiles = 2 * (128 * 128 // 2 + 128 * 128 // 32 + 96 * 64 // 2 + 96 * 64 // 32)
+    assert prepared_nbytes(small) == 4 * 2 + tiles
+    # a8w4's MX quads: the same bytes plus one exponent byte per row (2I + H per expert)
+    small = dataclasses.replace(small, scheme=Scheme.A8W4)
+    assert prepared_nbytes(small) == 4 * 2 + tiles + 2 * (128 + 96)
 
 
 def test_prepare_mxfp4_local_errors(seed):

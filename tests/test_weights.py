@@ -196,7 +196,8 @@ def test_prepare_gpt_oss_bit_exact(seed, scheme, rank, world):
     # stored as MX tiles of the checkpoint bytes (already interleaved, already MXFP4): untiled, the same bits
     blocks13, scales13 = src[f"{PREFIX}.gate_up_proj_blocks"][local], src[f"{PREFIX}.gate_up_proj_scales"][local]
     blocks2, scales2 = src[f"{PREFIX}.down_proj_blocks"][local], src[f"{PREFIX}.down_proj_scales"][local]
-    assert p.w13.layout is INT and p.w13.kind is GateUpKind.MX_TILES and p.w13_scale.kind is GateUpKind.MX_TILES
+    kind = GateUpKind.MX_QUADS if p.scheme is Scheme.A8W4 else GateUpKind.MX_TILES
+    assert p.w13.layout is INT and p.w13.kind is kind and p.w13_scale.kind is kind
     q13, s13, q2, s2 = plain_mxfp4(p)
     assert same(q13.data, blocks13.flatten(-2)) and q13.layout is INT
     assert same(s13.data, scales13) and s13.kind is GateUpKind.ROWS and s13.layout is INT
@@ -334,7 +335,8 @@ def test_check_against_spec(seed):
     spec = spec_for("a16w4")
     p = prepare_stacked(spec, torch.randn(E, 2 * I, H), torch.randn(E, H, I), layout="separated")
     p.check(spec)
-    p.check(spec_for("a8w4"))  # same weight format
+    with pytest.raises(WeightError, match="do not match the spec"):  # a8w4 stores MX quads, not MX tiles
+        p.check(spec_for("a8w4"))
     with pytest.raises(WeightError, match="do not match the spec"):
         p.check(spec_for("fp8"))
     with pytest.raises(WeightError, match="do not match the spec"):
