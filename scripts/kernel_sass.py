@@ -1,6 +1,7 @@
 """Compile the fused-experts GEMMs for an H100/H200 (sm_90a) on this machine, no GPU needed, and count
-the SASS of their K loop: registers, spills, instructions per weight, the mix, and whether the
-loads are pipelined (cp.async, LDGSTS) or plain (LDG) inside the loop.
+the SASS of their K loop: registers, spills, instructions per weight, the mix, whether the
+loads are pipelined (cp.async, LDGSTS) or plain (LDG) inside the loop, shared stores (a decoded
+weight tile restaged for the mma shows up there) and the wgmma kind (HGMMA bf16, QGMMA fp8).
 
 How the MXFP4 tile layout (atom_moe/mx_tiles.py) was found: the K loop went from 11-12.5 to
 3.7-4.8 instructions per weight (kernels/mxfp4.py). Per-weight counts are per thread-instruction:
@@ -125,6 +126,9 @@ def compile_sass(args: argparse.Namespace) -> tuple[dict, str]:
         "per_weight": len(body) / weights_per_thread,
         "pipelined_loads": sum(v for k, v in mix.items() if k.startswith("LDGSTS")),
         "plain_loads": sum(v for k, v in mix.items() if k.startswith("LDG.") or k == "LDG"),
+        # shared stores in the loop: a decoded weight tile restaged for the mma would show here
+        "shared_stores": sum(v for k, v in mix.items() if k.startswith("STS")),
+        "wgmma": sorted({k.split(".")[0] for k in mix if k.startswith(("HGMMA", "QGMMA"))}),
         "mix": mix.most_common(args.top),
     }
     return report, sass
@@ -148,12 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.sass:
         args.sass.write_text(sass)
     if args.json:
-        print(json.dumps({**report, "hgmma_in_loop": any(n.startswith("HGMMA") for n in loop_body(sass))}))
+        print(json.dumps(report))
         return 0
     print(f"{args.kernel} {args.scheme} BM{args.block_m} BN{args.block_n} BK{args.block_k} w{args.warps} "
           f"s{args.stages}: {report['registers']} registers, {report['stack_bytes']} B stack; K loop "
           f"{report['loop_instructions']} instructions = {report['per_weight']:.2f} per weight; loads in the loop: "
-          f"{report['pipelined_loads']} cp.async, {report['plain_loads']} plain")
+          f"{report['pipelined_loads']} cp.async, {report['plain_loads']} plain, {report['shared_stores']} shared "
+          f"stores; wgmma: {', '.join(report['wgmma']) or 'none'}")
     print("  " + ", ".join(f"{name} {n}" for name, n in report["mix"]))
     return 0
 

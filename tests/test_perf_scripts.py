@@ -65,11 +65,13 @@ def test_tk_baseline_errors_are_clear():
 
 
 # ---------------------------------------------------------------- kernel_sass
-@pytest.mark.parametrize("kernel,scheme,bm,bn,bk", [("gemm1", "a16w4", 16, 64, 128), ("gemm2", "bf16", 64, 128, 64)])
+@pytest.mark.parametrize("kernel,scheme,bm,bn,bk", [("gemm1", "a16w4", 16, 64, 128), ("gemm2", "bf16", 64, 128, 64),
+                                                   ("gemm1", "a8w4", 16, 256, 64), ("gemm2", "a8w4", 16, 64, 64)])
 def test_kernel_sass_counts_the_k_loop(kernel, scheme, bm, bn, bk, tmp_path):
     # compiles for sm_90a with triton's bundled ptxas / nvdisasm (no GPU; a subprocess without
-    # TRITON_INTERPRET): the K loop is found with its wgmma, its loads are cp.async-pipelined,
-    # and the MX tile decode stays far below the plain layout's 12.6 instructions per weight
+    # TRITON_INTERPRET): the K loop is found with its wgmma (fp8 QGMMA for a8w4), its weight
+    # loads are cp.async-pipelined, no decoded tile is restaged through shared memory, and the
+    # MX decode stays far below the plain layout's 12.6 instructions per weight
     import json
     import triton
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
@@ -81,11 +83,14 @@ def test_kernel_sass_counts_the_k_loop(kernel, scheme, bm, bn, bk, tmp_path):
                           "--json"], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)
-    assert report["hgmma_in_loop"] and report["registers"] > 0 and report["stack_bytes"] == 0
-    assert report["pipelined_loads"] > 0 and report["plain_loads"] == 0
-    limit = 6.0 if scheme == "a16w4" else 3.0
+    mma = "QGMMA" if scheme == "a8w4" else "HGMMA"
+    assert report["wgmma"] == [mma] and report["registers"] > 0 and report["stack_bytes"] == 0
+    assert report["pipelined_loads"] > 0 and report["shared_stores"] == 0
+    # a8w4's plain loads are its activation scales (at most BLOCK_M floats per step, one step ahead)
+    assert 0 < report["plain_loads"] <= bm if scheme == "a8w4" else report["plain_loads"] == 0, report
+    limit = {"a16w4": 6.0, "a8w4": 6.0}.get(scheme, 3.0)
     assert 0.5 < report["per_weight"] < limit, report
-    assert "HGMMA" in out.read_text()
+    assert mma in out.read_text()
 
 
 def test_kernel_sass_refuses_the_interpreter():
