@@ -179,6 +179,7 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
                          f"block_k={block_k}")
     if block_n % 2:
         raise ValueError(f"GEMM1 block_n must be even (gate/up pairs), got {block_n}")
+    # BIG is each MX layout's one compile-time switch: a16w4's scales above 128, a8w4's flushed blocks
     grid = (n_blocks * triton.cdiv(2 * inter, block_n),)
     _gemm1_kernel[grid](
         x, x.stride(0), x_scale if fp8 else x, w13, w13_scale if w13_scale is not None else w13, rowexp,

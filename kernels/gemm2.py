@@ -269,6 +269,7 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
                          f"the workspace has {n_counters}")
     if separate and (remote is not None or partial.dtype != out.dtype):
         raise ValueError("GEMM2 separate combine: local output only, partial in out's dtype (separate_partial)")
+    # BIG is each MX layout's one compile-time switch: a16w4's scales above 128, a8w4's flushed blocks
     grid = (n_blocks * triton.cdiv(hidden, block_n),)
     _gemm2_kernel[grid](
         a, a_scale if fp8 else a, w2, w2_scale if w2_scale is not None else w2, rowexp if w4 else w2,
