@@ -57,13 +57,15 @@ def signature(kernel: str, scheme: str) -> tuple[object, dict, list[str]]:
     act, weight, scale = _types(scheme)
     if kernel == "gemm1":
         sig = {"x_ptr": act, "stride_x": "i32", "xs_ptr": "*fp32", "w_ptr": weight, "ws_ptr": scale,
-               "rowexp_ptr": "*u8", "bias_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "out_ptr": act,
+               "rowexp_ptr": "*u8", "bias_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32",
+               "out_ptr": act,
                "outs_ptr": "*fp32", "num_pairs": "i32", "top_k": "i32", "hidden": "i32", "inter": "i32",
                "n_blocks": "i32", "alpha": "fp32", "limit": "fp32", "row_blocks": "i32", "k_blocks": "i32"}
         div = ["x_ptr", "stride_x", "xs_ptr", "w_ptr", "ws_ptr", "bias_ptr", "sorted_ptr", "block_expert_ptr",
                "out_ptr", "outs_ptr", "hidden", "inter"]
         return _gemm1_kernel, sig, div
-    sig = {"a_ptr": act, "as_ptr": "*fp32", "w_ptr": weight, "ws_ptr": scale, "rowexp_ptr": "*u8", "bias_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "ids_ptr": "*i32",
+    sig = {"a_ptr": act, "as_ptr": "*fp32", "w_ptr": weight, "ws_ptr": scale, "rowexp_ptr": "*u8",
+           "bias_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "ids_ptr": "*i32",
            "emap_ptr": "*i32", "topk_w_ptr": "*fp32", "partial_ptr": "*bf16", "counters_ptr": "*i32",
            "n_counters": "i32", "out_ptr": "*bf16", "stride_out": "i32", "num_pairs": "i32", "num_experts": "i32",
            "hidden": "i32", "inter": "i32", "n_blocks": "i32", "delta_ptr": "*i64", "info_ptr": "*i32",

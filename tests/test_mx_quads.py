@@ -532,3 +532,31 @@ def test_gemm_launch_guards(seed):
                     p8.expert_map, torch.ones(T, k), torch.zeros(T * k, H), torch.zeros(T, 1, dtype=torch.int32), 1,
                     torch.zeros(T, H, dtype=torch.bfloat16), block_m=16, block_n=64, block_k=128, num_warps=4,
                     num_stages=2, hidden=H)
+
+
+def test_fused_a8w4_flushes_the_blocks_the_twin_flushes(seed):
+    # a layer with flushed blocks through the whole Triton path (interpreter): the kernels' flush
+    # select zeroes exactly what the torch twin zeroes. Without it those blocks' residual bytes
+    # (far outside 1..12) build garbage tables: the same weights with mx_flush off must miss.
+    pytest.importorskip("triton")
+    from kernel_cases import make_routing, rel_err
+    from atom_moe.experts import fused_experts
+    H, I, E, T = 128, 64, 3, 7
+    spec = _spec("a8w4", H, I, E)
+    ex = _experts(E, H, I, lo=122, hi=128)
+    for e in range(E):
+        for s in (1, 3):  # w13 and w2 scales: ~15% of the blocks 15-37 binades below their row's max
+            drop = torch.rand(ex[e][s].shape) < 0.15
+            ex[e][s][drop] = rand_u8(int(drop.sum()), lo=90, hi=108)
+    flushed = sum(int(mx_quads.flushed_blocks(ex[e][w], ex[e][s]).sum()) for e in range(E) for w, s in ((0, 1), (2, 3)))
+    assert flushed > 0
+    with pytest.warns(UserWarning, match=f"^a8w4: {flushed} MXFP4 blocks"):
+        p = prepare_mxfp4_local(spec, ex)
+    assert p.mx_flush is True
+    w, ids = make_routing(T, E, 2)
+    x = torch.randn(T, H).to(torch.bfloat16)
+    twin = et.experts_torch(x, w, ids, p, spec)
+    got = fused_experts(x, w, ids, p, spec)
+    assert torch.isfinite(got).all() and rel_err(got, twin) <= 1e-2
+    unflushed = fused_experts(x, w, ids, dataclasses.replace(p, mx_flush=False), spec)
+    assert rel_err(unflushed, twin) > 0.1  # ten times the tolerance above
