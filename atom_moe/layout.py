@@ -64,7 +64,7 @@ class GateUpTensor:
         object.__setattr__(self, "kind", GateUpKind(self.kind))
         if self.kind.tiled:  # dim -3 counts 16-row blocks: no row-pair check possible
             if self.data.dim() < 3:
-                raise LayoutError(f"MX tiles are [..., N/16, K/64, bytes], got shape {tuple(self.data.shape)}")
+                raise LayoutError(f"{self.kind.value} are [..., N/16, K/64, bytes], got shape {tuple(self.data.shape)}")
             return
         rows_dim = _rows_dim(self)
         if self.layout is GateUpLayout.SEPARATED or self.kind is GateUpKind.ROWS:

@@ -40,22 +40,32 @@ RESIDUAL_BIAS = 12  # d = s - base + 12; d in [1, 12] decodes exactly
 E8M0_NAN = 255
 
 
-def row_exponents(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., N]: each row's base exponent (module docstring)."""
-    nonzero = (_codes(packed) & 7).reshape(*scales.shape, 32).amax(-1) > 0
+def _nonzero_blocks(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """bool [..., N, K/32]: blocks holding a code of nonzero magnitude."""
+    return (_codes(packed) & 7).reshape(*scales.shape, 32).amax(-1) > 0
+
+
+def _row_exponents(scales: torch.Tensor, nonzero: torch.Tensor) -> torch.Tensor:
     s = scales.to(torch.int32)
     base = torch.where(nonzero, s, -1).amax(-1)
     base = torch.where(base < 0, 127, base)
-    base = torch.where((s == E8M0_NAN).any(-1), E8M0_NAN, base)
-    return base.to(torch.uint8)
+    return torch.where((s == E8M0_NAN).any(-1), E8M0_NAN, base)
+
+
+def _flushed(scales: torch.Tensor, nonzero: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    low = scales.to(torch.int32) < (base - (RESIDUAL_BIAS - 1)).unsqueeze(-1)
+    return nonzero & low & (base != E8M0_NAN).unsqueeze(-1)
+
+
+def row_exponents(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., N]: each row's base exponent (module docstring)."""
+    return _row_exponents(scales, _nonzero_blocks(packed, scales)).to(torch.uint8)
 
 
 def flushed_blocks(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """bool [..., N, K/32]: the blocks a8w4 flushes to zero (a nonzero code, s < base - 11)."""
-    base = row_exponents(packed, scales).to(torch.int32)
-    nonzero = (_codes(packed) & 7).reshape(*scales.shape, 32).amax(-1) > 0
-    low = scales.to(torch.int32) < (base - (RESIDUAL_BIAS - 1)).unsqueeze(-1)
-    return nonzero & low & (base != E8M0_NAN).unsqueeze(-1)
+    nonzero = _nonzero_blocks(packed, scales)
+    return _flushed(scales, nonzero, _row_exponents(scales, nonzero))
 
 
 def flush(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -84,13 +94,15 @@ def tile(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torc
             | (mag[..., 1, :] << (shift + 16)) | (sign[..., 1, :] << (2 * shift + 3))).sum(-1)
     values = word_bytes(word).reshape(*lead, n_pad // 16, k_pad // 64, BLOCK_BYTES)
 
-    base = row_exponents(packed, scales)
+    nonzero = _nonzero_blocks(packed, scales)
+    base = _row_exponents(scales, nonzero)
     d = torch.zeros(*lead, n_pad, k_pad // 32, dtype=torch.int32, device=packed.device)
-    d[..., :n, : k // 32] = (scales.to(torch.int32) - base.to(torch.int32).unsqueeze(-1) + RESIDUAL_BIAS) % 256
+    d[..., :n, : k // 32] = (scales.to(torch.int32) - base.unsqueeze(-1) + RESIDUAL_BIAS) % 256
     d = d.reshape(*lead, n_pad // 16, 2, 8, k_pad // 64, 2)  # nb h g kb s
     d = d.permute(*range(nd), nd, nd + 3, nd + 2, nd + 4, nd + 1)  # nb kb g s h: byte g*4 + 2s + h
     residuals = d.reshape(*lead, n_pad // 16, k_pad // 64, SCALE_BYTES).to(torch.uint8)
-    return values.contiguous(), residuals.contiguous(), base, int(flushed_blocks(packed, scales).sum())
+    flushed = int(_flushed(scales, nonzero, base).sum())
+    return values.contiguous(), residuals.contiguous(), base.to(torch.uint8), flushed
 
 
 def untile(values: torch.Tensor, residuals: torch.Tensor, rowexp: torch.Tensor, n: int, k: int

@@ -197,7 +197,7 @@ def prepared_nbytes(spec: MoESpec) -> int:
 
 def plain_mxfp4(p: PreparedWeights, experts: slice | Sequence[int] | torch.Tensor | None = None
                 ) -> tuple[GateUpTensor, GateUpTensor, torch.Tensor, torch.Tensor]:
-    """MX tiles -> plain MXFP4 (w13, w13_scale, w2, w2_scale), rebuilt on each call (never cached).
+    """MX tiles or quads -> plain MXFP4 (w13, w13_scale, w2, w2_scale), rebuilt on each call (never cached).
 
     w13 uint8 e2m1x2 [E', 2I, H/2] and w13_scale e8m0 [E', 2I, H/32], both INTERLEAVED ROWS;
     w2 [E', H, I/2], w2_scale [E', H, I/32]. E' = all local experts, or those `experts`

@@ -30,6 +30,8 @@ interpreter flushes bf16 subnormals) and rounds with `cast`.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -38,8 +40,9 @@ from atom_moe import mx_tiles
 
 from .common import cast, dot, interpreting
 
+NVIDIA = torch.version.hip is None  # PRMT is PTX: NVIDIA only
 MASK = tl.constexpr(mx_tiles.MASK)
-PRMT_OK = tl.constexpr(torch.version.hip is None)  # PRMT is PTX: NVIDIA only
+PRMT_OK = tl.constexpr(NVIDIA)
 OUT3_R8 = tl.constexpr(mx_tiles.OUT3_MASKS[-8])
 OUT3_R3 = tl.constexpr(mx_tiles.OUT3_MASKS[-3])
 OUT3_L2 = tl.constexpr(mx_tiles.OUT3_MASKS[2])
@@ -79,7 +82,8 @@ def scale_step(BLOCK_K: tl.constexpr, QUADS: tl.constexpr):
 
 @triton.jit
 def load_tile(w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks):
-    """The int32 value words and scale words of one K step (zeros past N or K)."""
+    """One K step's int32 value words and its scale words (MX tiles) or residual bytes (MX quads);
+    zeros past N or K."""
     kb_ok = (k0 // 64 + kb) < k_blocks
     ok = nb_ok[:, None] & kb_ok[None, :]
     words = tl.load(w_ptr + w_off, mask=ok[:, :, None, None], other=0)
@@ -104,8 +108,6 @@ def _halves(o, INTERP: tl.constexpr):
 @triton.jit
 def tile_scales(swords, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Scale words [NB, KB, 8] -> e8m0 as int32 [BLOCK_N, BLOCK_K / 32]."""
-    NB: tl.constexpr = BLOCK_N // 16
-    KB: tl.constexpr = BLOCK_K // 64
     s = swords.to(tl.uint32, bitcast=True)
     # bytes (h, jg) = 2h + jg, little-endian -> [NB, KB, g, h, jg]
     sb = tl.join(tl.join(s & 255, (s >> 16) & 255), tl.join((s >> 8) & 255, s >> 24))
@@ -263,17 +265,30 @@ def rowexp_arg(gemm: str, name: str, rowexp: torch.Tensor | None, experts: int, 
     return rowexp
 
 
+def _dequant_args(layout: str, values: torch.Tensor, scales: torch.Tensor, n: int, k: int, block_n: int,
+                  block_k: int) -> tuple[tuple[int, ...], int]:
+    """Check a dequantize call's inputs; (leading dims, their product)."""
+    if values.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"{layout} and their scales must be uint8, got {values.dtype}, {scales.dtype}")
+    want_v, want_s = mx_tiles.tiled_shapes(n, k)
+    lead = tuple(values.shape[:-3])
+    if tuple(values.shape[-3:]) != want_v or tuple(scales.shape) != (*lead, *want_s):
+        raise ValueError(f"{layout} {tuple(values.shape)} / scales {tuple(scales.shape)} do not fit [{n}, {k}]: "
+                         f"expected [..., {', '.join(map(str, want_v))}] / [..., {', '.join(map(str, want_s))}]")
+    if block_n % mx_tiles.ROWS or block_k % mx_tiles.KS or block_n & (block_n - 1) or block_k & (block_k - 1):
+        raise ValueError(f"dequantize needs block_n, block_k powers of two, multiples of 16 and 64, got "
+                         f"{block_n}, {block_k}")
+    return lead, math.prod(lead)
+
+
 def dequantize(values: torch.Tensor, scales: torch.Tensor, n: int, k: int, *, big: bool | None = None,
                block_n: int = 32, block_k: int = 128) -> torch.Tensor:
     """fp32 [..., n, k] from MX tiles through the kernels' decoder (tests: bit-exact vs the reference).
 
     big: the scales-above-128 path (default: on iff any scale byte is above 128).
     """
-    want_v, want_s = mx_tiles.tiled_shapes(n, k)
-    if tuple(values.shape[-3:]) != want_v or tuple(scales.shape[-3:]) != want_s:
-        raise ValueError(f"MX tiles {tuple(values.shape)} / {tuple(scales.shape)} do not fit [{n}, {k}]")
-    lead = values.shape[:-3]
-    experts = int(torch.tensor(lead).prod()) if lead else 1
+    want_v = mx_tiles.tiled_shapes(n, k)[0]
+    lead, experts = _dequant_args("MX tiles", values, scales, n, k, block_n, block_k)
     if big is None:
         big = bool((scales > 128).any())
     out = torch.empty(*lead, n, k, dtype=torch.float32, device=values.device)
@@ -302,13 +317,11 @@ def _dequant_quads_kernel(w_ptr, r_ptr, rowexp_ptr, out_ptr, n_rows, k, row_bloc
 def dequantize_quads(values: torch.Tensor, residuals: torch.Tensor, rowexp: torch.Tensor, n: int, k: int, *,
                      flush: bool = True, block_n: int = 32, block_k: int = 128) -> torch.Tensor:
     """fp32 [..., n, k] from MX quads through the a8w4 decoder (tests: equal to the twin's weights)."""
-    want_v, want_s = mx_tiles.tiled_shapes(n, k)
-    lead = values.shape[:-3]
-    if (tuple(values.shape[-3:]) != want_v or tuple(residuals.shape) != (*lead, *want_s)
-            or tuple(rowexp.shape) != (*lead, n)):
-        raise ValueError(f"MX quads {tuple(values.shape)} / {tuple(residuals.shape)} / {tuple(rowexp.shape)} "
-                         f"do not fit [{n}, {k}]")
-    experts = int(torch.tensor(lead).prod()) if lead else 1
+    want_v = mx_tiles.tiled_shapes(n, k)[0]
+    lead, experts = _dequant_args("MX quads", values, residuals, n, k, block_n, block_k)
+    if rowexp.dtype != torch.uint8 or tuple(rowexp.shape) != (*lead, n):
+        raise ValueError(f"MX quads' rowexp must be uint8 [..., {n}] matching the values' leading dims {lead}, "
+                         f"got {rowexp.dtype} {tuple(rowexp.shape)}")
     out = torch.empty(*lead, n, k, dtype=torch.float32, device=values.device)
     grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k), experts)
     _dequant_quads_kernel[grid](words(values.contiguous()), residuals.contiguous(), rowexp.contiguous(), out, n, k,
@@ -318,5 +331,5 @@ def dequantize_quads(values: torch.Tensor, residuals: torch.Tensor, rowexp: torc
 
 
 def use_prmt() -> bool:
-    """Whether the a8w4 decode may use PTX's PRMT (NVIDIA GPUs, not the interpreter)."""
-    return torch.version.hip is None and not interpreting()
+    """Whether the a8w4 decode may use PTX's PRMT (NVIDIA GPUs, not the interpreter): as swap_step decides."""
+    return NVIDIA and not interpreting()

@@ -560,3 +560,26 @@ def test_fused_a8w4_flushes_the_blocks_the_twin_flushes(seed):
     assert torch.isfinite(got).all() and rel_err(got, twin) <= 1e-2
     unflushed = fused_experts(x, w, ids, dataclasses.replace(p, mx_flush=False), spec)
     assert rel_err(unflushed, twin) > 0.1  # ten times the tolerance above
+
+
+def test_dequantize_helpers_refuse_bad_input(seed):
+    # the decoders' test entry points: wrong dtypes, shapes and block sizes are clear errors, never a
+    # reinterpretation of the bytes or a crash inside the kernel
+    from atom_moe.kernels import mxfp4
+    n, k = 40, 96
+    v, d, b, _ = mx_quads.tile(nonzero_bytes(n, k // 2), rand_u8(n, k // 32, lo=120, hi=128))
+    tv, ts = mx_tiles.tile(nonzero_bytes(n, k // 2), rand_u8(n, k // 32, lo=120, hi=128))
+    with pytest.raises(ValueError, match="MX quads and their scales must be uint8, got torch.uint8, torch.float32"):
+        mxfp4.dequantize_quads(v, d.float(), b, n, k)
+    with pytest.raises(ValueError, match="MX tiles and their scales must be uint8, got torch.int32"):
+        mxfp4.dequantize(tv.to(torch.int32), ts, n, k)
+    with pytest.raises(ValueError, match=r"do not fit \[40, 160\]: expected \[\.\.\., 3, 3, 512\]"):
+        mxfp4.dequantize_quads(v, d, b, n, 160)
+    with pytest.raises(ValueError, match=r"scales \(2, 3, 2, 32\) do not fit"):
+        mxfp4.dequantize(tv, ts.expand(2, *ts.shape), n, k)
+    with pytest.raises(ValueError, match="rowexp must be uint8 .* got torch.int32"):
+        mxfp4.dequantize_quads(v, d, b.to(torch.int32), n, k)
+    with pytest.raises(ValueError, match="powers of two, multiples of 16 and 64, got 48, 128"):
+        mxfp4.dequantize_quads(v, d, b, n, k, block_n=48)
+    with pytest.raises(ValueError, match="got 32, 96"):
+        mxfp4.dequantize(tv, ts, n, k, block_k=96)

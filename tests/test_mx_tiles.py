@@ -185,7 +185,7 @@ def test_layout_refuses_to_reorder_mx_tiles(seed):
         for x in (t, ts, GateUpTensor(v, SEP, TILES)):
             with pytest.raises(LayoutError, match=f"{fn.__name__}.*untile first with atom_moe.weights.plain_mxfp4"):
                 fn(x)
-    with pytest.raises(LayoutError, match=r"MX tiles are \[\.\.\., N/16, K/64, bytes\]"):
+    with pytest.raises(LayoutError, match=r"mx_tiles are \[\.\.\., N/16, K/64, bytes\]"):
         GateUpTensor(v[0, 0], INT, TILES)
 
 
