@@ -2,7 +2,8 @@
 
 This is the torch twin of the fused Triton path (gemm1 + SwiGLU + quant + gemm2 +
 weighted combine): the same weight formats, the same layout tags, the same working
-precision (bf16 intermediate, or fp8 per-128-group activations), with fp32 accumulation.
+precision (bf16 intermediate, or e4m3 activations per token group: 128, and 64 for a8w4's
+intermediate), with fp32 accumulation.
 It runs anywhere torch runs, so it is the path of last resort on machines without
 Triton, and the per-stage oracle for the kernels' tests. It syncs with the host (it
 loops over the experts that have tokens), so it is not CUDA-graph safe.
@@ -79,7 +80,7 @@ def experts_torch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
         if weights.w13_bias is not None:
             h = h + weights.w13_bias.data[local]
         a = apply_activation(h[:, 0::2], h[:, 1::2], spec.activation)
-        a = quant_dequant_activations(a, spec.scheme) if spec.scheme.fp8_activations \
+        a = quant_dequant_activations(a, spec.scheme, inter=True) if spec.scheme.fp8_activations \
             else a.to(torch.bfloat16).float()
         y = a @ dequantize_w2(weights, local).T
         if weights.w2_bias is not None:

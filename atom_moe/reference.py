@@ -74,11 +74,12 @@ def apply_activation(gate: torch.Tensor, up: torch.Tensor, activation: Activatio
     return g * torch.sigmoid(activation.alpha * g) * (u + 1)
 
 
-def quant_dequant_activations(a: torch.Tensor, scheme: Scheme) -> torch.Tensor:
-    """What the scheme does to an activation before a GEMM, as fp32 values."""
+def quant_dequant_activations(a: torch.Tensor, scheme: Scheme, *, inter: bool = False) -> torch.Tensor:
+    """What the scheme does to an activation before a GEMM, as fp32 values (inter: GEMM2's input)."""
     if scheme.fp8_activations:
-        q, s = formats.quantize_fp8_per_group(a, FP8_BLOCK)
-        return formats.dequantize_fp8_per_group(q, s, FP8_BLOCK)
+        group = scheme.inter_group if inter else FP8_BLOCK
+        q, s = formats.quantize_fp8_per_group(a, group)
+        return formats.dequantize_fp8_per_group(q, s, group)
     return a.float()
 
 
@@ -107,7 +108,7 @@ def reference_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
             g, u = g + weights.gate_bias[row], u + weights.up_bias[row]
         a = apply_activation(g, u, activation)
         if act_quant is not None:
-            a = quant_dequant_activations(a, act_quant)
+            a = quant_dequant_activations(a, act_quant, inter=True)
         y = a @ weights.down[row].T
         if weights.down_bias is not None:
             y = y + weights.down_bias[row]

@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass, field, replace
 
 FP8_BLOCK = 128  # fp8 weights: 128x128 block scales; activations: per-token groups of 128
+A8W4_INTER_GROUP = 64  # a8w4 quantizes GEMM2's input per token-group-64: GEMM1 tiles may then be 128 rows
 MX_BLOCK = 32  # MXFP4 / MXFP8: one e8m0 scale per 32 elements along the reduction dim
 
 
@@ -24,7 +25,7 @@ class Scheme(str, enum.Enum):
     BF16 = "bf16"  # bf16 weights and activations
     FP8 = "fp8"  # e4m3 weights with 128x128 block scales, activations per-token-group-128
     A16W4 = "a16w4"  # MXFP4 weights, bf16 activations
-    A8W4 = "a8w4"  # MXFP4 weights, e4m3 activations per-token-group-128
+    A8W4 = "a8w4"  # MXFP4 weights, e4m3 activations (x per token-group-128, GEMM2's input per group-64)
 
     @classmethod
     def parse(cls, value: "str | Scheme") -> "Scheme":
@@ -44,6 +45,11 @@ class Scheme(str, enum.Enum):
     @property
     def fp8_activations(self) -> bool:
         return self in (Scheme.FP8, Scheme.A8W4)
+
+    @property
+    def inter_group(self) -> int:
+        """Quant group along I of GEMM2's e4m3 input (fp8 activations only): fp8 128, a8w4 64."""
+        return A8W4_INTER_GROUP if self is Scheme.A8W4 else FP8_BLOCK
 
 
 class ActivationKind(str, enum.Enum):

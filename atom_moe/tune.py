@@ -110,22 +110,20 @@ def triton_candidates(key: Key, space: str = "tied") -> list:
     """Tile configs of the 3-launch Triton path, built from TileConfig's fields, filtered by TileConfig.check.
 
     BLOCK_M: the heuristic's and its neighbours. "tied": GEMM2 uses GEMM1's tile (unless the
-    scheme fixes GEMM1's tile: then every allowed GEMM2 tile) and both GEMMs share warps/stages;
-    "full": every GEMM1 tile x GEMM2 tile x launch shape.
+    scheme constrains the tiles: then every allowed GEMM2 width with GEMM1's K step) and both
+    GEMMs share warps/stages; "full": every GEMM1 tile x GEMM2 tile x launch shape.
     """
     t = _tuning()
     h = t.heuristic(key.scheme, key.H, key.I, key.E, key.top_k, key.tokens)
     bms = [b for b in BLOCK_MS if h.block_m / 2 <= b <= h.block_m * 2]
-    # where the scheme fixes GEMM1's width (fp8 activations: whole 128-groups), GEMM2's width is swept on
-    # its own, with GEMM1's K step (a8w4 has two)
-    gemm1_tiles = {(n1, k1) for n1, k1 in TILES for n2, k2 in TILES if _valid(t, 16, n1, k1, n2, k2, key.scheme)}
-    fixed_n1 = len({n1 for n1, _ in gemm1_tiles}) == 1
-    tie = space == "tied" and not fixed_n1
+    # e4m3 activations tie the tiles to quant groups (GEMM1's width, GEMM2's K step): GEMM2's width is
+    # swept on its own there
+    constrained = key.scheme in t.FP8_ACT
     out = [h]
     for bm in bms:
         for n1, k1 in TILES:
             for n2, k2 in TILES:
-                if (tie and (n2, k2) != (n1, k1)) or (space == "tied" and fixed_n1 and k2 != k1):
+                if space == "tied" and ((n2, k2) != (n1, k1) if not constrained else k2 != k1):
                     continue
                 for w, s in LAUNCH:
                     launches = [(w, s, w, s)] if space == "tied" else [(w, s, w2, s2) for w2, s2 in LAUNCH]

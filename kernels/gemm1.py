@@ -5,9 +5,10 @@ e2m1 codes + e8m0 scales, decoded in registers by kernels/mxfp4.py).
 
 Token rows are read through the sorted pair list (no permuted copy of x). w13 rows are
 INTERLEAVED (row 2j = gate j, row 2j+1 = up j), so a tile of BLOCK_N rows holds BLOCK_N/2
-complete (gate, up) pairs and the activation runs in registers. For fp8 the tile spans
-exactly one 128-group of GEMM2's input (BLOCK_N = 256), so the epilogue also quantizes it
-per token-group-128: GEMM2 then streams e4m3 and needs no prologue work.
+complete (gate, up) pairs and the activation runs in registers. With e4m3 activations the
+tile spans whole quant groups of GEMM2's input, so the epilogue also quantizes it per token
+group (IGROUP: 128 for fp8, so BLOCK_N = 256; 64 for a8w4, so BLOCK_N = 128 or 256): GEMM2
+then streams e4m3 and needs no prologue work.
 
 MXFP4 (a16w4, a8w4) runs "swapped" at every BLOCK_M: the K loop computes out^T = W @ x^T,
 the decoded weight tile [BLOCK_N, BLOCK_K] as the dot's left operand, straight from the
@@ -26,6 +27,7 @@ import triton
 import triton.language as tl
 
 from atom_moe.layout import GateUpKind, GateUpLayout, GateUpTensor, LayoutError, require
+from atom_moe.spec import A8W4_INTER_GROUP
 
 from .common import FP8_MAX, QGROUP, cast, dot, interpreting, tile_ids
 from .mxfp4 import launch_args, row_factor, rowexp_arg, scale_step, swap_step, tile_offsets
@@ -38,7 +40,7 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, 
                   out_ptr, outs_ptr, num_pairs, top_k, hidden, inter, n_blocks, alpha, limit, row_blocks, k_blocks,
                   FP8: tl.constexpr, W4: tl.constexpr, BIG: tl.constexpr, OAI: tl.constexpr,
                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr, INTERP: tl.constexpr):
+                  GROUP_M: tl.constexpr, IGROUP: tl.constexpr, INTERP: tl.constexpr):
     n_out = 2 * inter
     pid_m, pid_n = tile_ids(n_blocks, tl.cdiv(n_out, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -126,12 +128,16 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, 
     o_mask = row_ok[:, None] & j_ok[None, :]
     o_ptrs = out_ptr + rows64[:, None] * inter + j[None, :]
     if FP8:
-        # BLOCK_N // 2 == QGROUP: this tile holds the whole group pid_n of each row
-        amax = tl.max(tl.abs(act), 1)
+        # this tile holds the whole groups pid_n * NG .. + NG - 1 of each row
+        NG: tl.constexpr = BLOCK_N // 2 // IGROUP
+        grouped = tl.reshape(act, [BLOCK_M, NG, IGROUP])
+        amax = tl.max(tl.abs(grouped), 2)
         scale = tl.where(amax > 0, amax / FP8_MAX, 1.0)
-        q = tl.clamp(act / scale[:, None], -FP8_MAX, FP8_MAX)
+        q = tl.reshape(tl.clamp(grouped / scale[:, :, None], -FP8_MAX, FP8_MAX), [BLOCK_M, BLOCK_N // 2])
         tl.store(o_ptrs, cast(q, out_ptr.dtype.element_ty, INTERP), mask=o_mask)
-        tl.store(outs_ptr + rows64 * tl.cdiv(inter, QGROUP) + pid_n, scale, mask=row_ok)
+        n_groups = tl.cdiv(inter, IGROUP)
+        g = pid_n * NG + tl.arange(0, NG)
+        tl.store(outs_ptr + rows64[:, None] * n_groups + g[None, :], scale, mask=row_ok[:, None] & (g < n_groups)[None, :])
     else:
         tl.store(o_ptrs, cast(act, out_ptr.dtype.element_ty, INTERP), mask=o_mask)
 
@@ -172,11 +178,16 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
         if fp8:
             rowexp = rowexp_arg("GEMM1", "w13_rowexp", None if w13_rowexp_t is None else
                                 require(w13_rowexp_t, GateUpLayout.INTERLEAVED, "w13_rowexp"), w13.shape[0], 2 * inter)
-    # the output tile is one whole 128-group; a8w4 may step K by 64 (its scale is applied per step)
-    if fp8 and (block_n != 2 * GROUP or block_k not in ((64, GROUP) if w4 else (GROUP,))):
-        raise ValueError(f"{'a8w4' if w4 else 'fp8'} GEMM1 needs block_n=256 and block_k="
-                         f"{'64 or 128' if w4 else '128'} (one 128-group per tile), got block_n={block_n}, "
-                         f"block_k={block_k}")
+    # the output tile holds whole quant groups of GEMM2's input; a8w4 may step K by 64 (its scale is
+    # applied per step)
+    igroup = A8W4_INTER_GROUP if w4 else GROUP
+    if fp8 and (block_n not in ((128, 256) if w4 else (256,)) or block_k not in ((64, GROUP) if w4 else (GROUP,))):
+        raise ValueError(f"{'a8w4' if w4 else 'fp8'} GEMM1 needs block_n={'128 or 256' if w4 else '256'} and "
+                         f"block_k={'64 or 128' if w4 else '128'} (whole {igroup}-groups of its output per tile), "
+                         f"got block_n={block_n}, block_k={block_k}")
+    if fp8 and out_scale.shape != (out.shape[0], triton.cdiv(inter, igroup)):
+        raise ValueError(f"GEMM1: out_scale must be [{out.shape[0]}, ceil(I/{igroup})] for "
+                         f"{'a8w4' if w4 else 'fp8'}, got {tuple(out_scale.shape)}")
     if block_n % 2:
         raise ValueError(f"GEMM1 block_n must be even (gate/up pairs), got {block_n}")
     # BIG is each MX layout's one compile-time switch: a16w4's scales above 128, a8w4's flushed blocks
@@ -188,5 +199,5 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
         float(alpha), float(limit), row_blocks, k_blocks,
         FP8=fp8, W4=w4, BIG=w4 and (mx_flush if fp8 else mx_big), OAI=oai, HAS_BIAS=w13_bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        GROUP_M=group_m, INTERP=interpreting(), num_warps=num_warps, num_stages=num_stages,
+        GROUP_M=group_m, IGROUP=igroup, INTERP=interpreting(), num_warps=num_warps, num_stages=num_stages,
     )

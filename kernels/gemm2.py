@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from atom_moe.spec import A8W4_INTER_GROUP
+
 from .common import QGROUP, cast, dot, interpreting, tile_ids
 from .mxfp4 import launch_args, row_factor, rowexp_arg, scale_step, swap_step, tile_offsets
 
@@ -68,7 +70,8 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr
                   FP8: tl.constexpr, W4: tl.constexpr, BIG: tl.constexpr, HAS_BIAS: tl.constexpr,
                   TOPK: tl.constexpr, KP2: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr, INTERP: tl.constexpr, REMOTE: tl.constexpr, SEPARATE: tl.constexpr):
+                  GROUP_M: tl.constexpr, IGROUP: tl.constexpr, INTERP: tl.constexpr, REMOTE: tl.constexpr,
+                  SEPARATE: tl.constexpr):
     pid_m, pid_n = tile_ids(n_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
@@ -92,7 +95,7 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr
     else:
         w_ptrs = w_ptr + e64 * hidden * inter + n64[None, :] * inter + kk[:, None]
     if FP8:
-        k_groups = tl.cdiv(inter, QGROUP)
+        k_groups = tl.cdiv(inter, IGROUP)  # activation groups (a8w4: 64, a K step each)
         as_ptrs = as_ptr + rows64 * k_groups
         if not W4:
             ws_ptrs = ws_ptr + e64 * (tl.cdiv(hidden, QGROUP) * k_groups) + (n // QGROUP) * k_groups
@@ -121,7 +124,7 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr
         if W4:
             if FP8:
                 a_s = a_s_next
-                a_s_next = tl.load(as_ptrs + (k0 + BLOCK_K) // QGROUP, mask=row_ok & (k0 + BLOCK_K < inter), other=0.0)
+                a_s_next = tl.load(as_ptrs + (k0 + BLOCK_K) // IGROUP, mask=row_ok & (k0 + BLOCK_K < inter), other=0.0)
                 acc = swap_step(acc, a, a_s, w_ptr, ws_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks,
                                 BLOCK_N, BLOCK_M, BLOCK_K, FP8, BIG, INTERP)
             else:
@@ -261,9 +264,13 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
         hidden = w2.shape[1]
     if not w4 and w2.shape[2] != inter:
         raise ValueError(f"GEMM2: w2 {tuple(w2.shape)} does not match the activation width I={inter}")
-    if fp8 and block_k not in ((64, GROUP) if w4 else (GROUP,)):  # a8w4: half a group per step is fine too
-        raise ValueError(f"{'a8w4' if w4 else 'fp8'} GEMM2 needs block_k={'64 or 128' if w4 else '128'} "
-                         f"(whole activation groups per step), got {block_k}")
+    igroup = A8W4_INTER_GROUP if w4 else GROUP
+    if fp8 and block_k != igroup:  # one activation scale per K step
+        raise ValueError(f"{'a8w4' if w4 else 'fp8'} GEMM2 needs block_k={igroup} (its activation's quant group), "
+                         f"got {block_k}")
+    if fp8 and a_scale.shape != (a.shape[0], triton.cdiv(inter, igroup)):
+        raise ValueError(f"GEMM2: a_scale must be [{a.shape[0]}, ceil(I/{igroup})] for {'a8w4' if w4 else 'fp8'}, "
+                         f"got {tuple(a_scale.shape)}")
     if triton.cdiv(hidden, block_n) > n_counters:
         raise ValueError(f"GEMM2 block_n={block_n} needs {triton.cdiv(hidden, block_n)} counters per token, "
                          f"the workspace has {n_counters}")
@@ -279,7 +286,7 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
         *(remote.args() if remote is not None else (partial,) * 4 + (1, 0)), row_blocks, k_blocks,
         FP8=fp8, W4=w4, BIG=w4 and (mx_flush if fp8 else mx_big), HAS_BIAS=w2_bias is not None, TOPK=top_k,
         KP2=triton.next_power_of_2(top_k),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, INTERP=interpreting(),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, IGROUP=igroup, INTERP=interpreting(),
         REMOTE=remote is not None, SEPARATE=separate,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -59,18 +59,22 @@ class TileConfig:
             raise ConfigError(f"block_m={self.block_m} exceeds the workspace bound {MAX_BLOCK_M}")
         if self.block_n2 < MIN_BLOCK_N2:
             raise ConfigError(f"block_n2={self.block_n2} is below {MIN_BLOCK_N2} (combine counters per token)")
-        # a8w4 may step K by 64 too: its activation scale is applied per step, read per 128-group
-        ks = (64, 128) if scheme == "a8w4" else (128,)
-        if scheme in FP8_ACT and (self.block_n1 != 256 or self.block_k1 not in ks or self.block_k2 not in ks):
-            raise ConfigError(f"{scheme} needs block_n1=256 and block_k1, block_k2 in {ks} (whole 128-groups per "
-                              f"GEMM1 tile), got {self.block_n1}, {self.block_k1}, {self.block_k2}")
+        # GEMM1's tile holds whole quant groups of GEMM2's input (fp8 128, a8w4 64) and GEMM2 steps K by
+        # one group; a8w4's GEMM1 may step K by 64 too (x's scale, per 128-group, is applied per step)
+        if scheme == "fp8" and (self.block_n1, self.block_k1, self.block_k2) != (256, 128, 128):
+            raise ConfigError(f"fp8 needs block_n1=256, block_k1=128, block_k2=128 (whole 128-groups), got "
+                              f"{self.block_n1}, {self.block_k1}, {self.block_k2}")
+        if scheme == "a8w4" and (self.block_n1 not in (128, 256) or self.block_k1 not in (64, 128)
+                                 or self.block_k2 != 64):
+            raise ConfigError(f"a8w4 needs block_n1 in (128, 256), block_k1 in (64, 128) and block_k2=64 (whole "
+                              f"64-groups of GEMM2's input), got {self.block_n1}, {self.block_k1}, {self.block_k2}")
         if scheme in MXFP4 and (self.block_n1 % 16 or self.block_n2 % 16 or self.block_k1 % 64 or self.block_k2 % 64):
             raise ConfigError(f"{scheme} needs block_n1, block_n2 multiples of 16 and block_k1, block_k2 multiples "
                               f"of 64 (whole MX tile blocks), got n {self.block_n1}, {self.block_n2}, "
                               f"k {self.block_k1}, {self.block_k2}")
 
 
-FP8_ACT = ("fp8", "a8w4")  # e4m3 activations per token-group-128: whole groups per tile
+FP8_ACT = ("fp8", "a8w4")  # e4m3 activations: tiles hold whole quant groups (Scheme.inter_group)
 MXFP4 = ("a16w4", "a8w4")  # e2m1 weights with one e8m0 scale per 32 along K
 MAX_BLOCK_M = 128  # the workspace is sized for the largest BLOCK_M
 MIN_BLOCK_M = 16
@@ -134,11 +138,11 @@ def heuristic(scheme: str, hidden: int, inter: int, num_experts: int, top_k: int
     bm = 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 128 else 128
     # MXFP4 schemes start from their activation twin's tiles (a8w4 ~ fp8, a16w4 ~ bf16), all of
     # them whole MX tile blocks; their own H200 rows come from `atom-moe tune`.
-    if scheme == "a8w4":  # two fp32 accumulators of 256 x BLOCK_M; K step 64 halves the decoded tile's
-        # registers (the gpt-oss H200 tuning picked it at every T): 8 warps from BLOCK_M 64
+    if scheme == "a8w4":  # two fp32 accumulators of block_n1 x BLOCK_M: GEMM1 128 rows wide, K step 64
+        # (on an H200, gpt-oss, beat 256 rows at every T measured, docs/perf/mxfp4-h200.md); BLOCK_M <= 64
         if bm <= 32:
-            return TileConfig(bm, 256, 64, 4, 3, 64, 64, 4, 3)
-        return TileConfig(64, 256, 64, 8, 3, 256, 64, 8, 3)
+            return TileConfig(bm, 128, 64, 4, 4, 64, 64, 4, 4)
+        return TileConfig(64, 128, 64, 4, 3, 256, 64, 8, 3)
     if scheme in FP8_ACT:  # BLOCK_M 128 with a 256-wide fp32 tile spills: cap at 64
         if bm <= 32:
             return TileConfig(bm, 256, 128, 4, 4, 128, 128, 4, 4)

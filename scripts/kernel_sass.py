@@ -38,6 +38,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # @triton.jit would give interpre
 
 from atom_moe.kernels.gemm1 import _gemm1_kernel  # noqa: E402
 from atom_moe.kernels.gemm2 import _gemm2_kernel  # noqa: E402
+from atom_moe.spec import Scheme  # noqa: E402
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 INSTR = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)")
@@ -79,7 +80,8 @@ def signature(kernel: str, scheme: str) -> tuple[object, dict, list[str]]:
 def constexprs(kernel: str, scheme: str, block_m: int, block_n: int, block_k: int, top_k: int) -> dict:
     """The launchers' compile-time switches for a local-output, three-launch call."""
     common = dict(FP8=scheme in ("fp8", "a8w4"), W4=scheme in ("a16w4", "a8w4"), BIG=False, HAS_BIAS=True,
-                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, INTERP=False)
+                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
+                  IGROUP=Scheme(scheme).inter_group, INTERP=False)
     if kernel == "gemm1":
         return {**common, "OAI": True}
     return {**common, "TOPK": top_k, "KP2": triton.next_power_of_2(top_k), "REMOTE": False, "SEPARATE": True}

@@ -280,7 +280,9 @@ def test_tile_configs_agree(seed, scheme):
     for bm, n2, k in ((16, 32, 32), (32, 64, 64), (64, 128, 128)):
         if mx:
             k = max(k, 64)
-        n1, k1, k2 = (256, 128, 128) if scheme == "fp8" else (256, k, k) if scheme == "a8w4" else (32, k, k)
+        # a8w4: GEMM1 128 or 256 rows wide (one or two 64-groups of GEMM2's input), GEMM2 steps K by 64
+        n1, k1, k2 = (256, 128, 128) if scheme == "fp8" else (128 if bm != 32 else 256, k, 64) \
+            if scheme == "a8w4" else (32, k, k)
         cfg = TileConfig(bm, n1, k1, base.warps1, 2, n2, k2, base.warps2, 2, group_m=2)
         got = fused_experts(x, w, ids, p, spec, config=cfg)
         assert rel_err(got, twin) <= 1e-2, cfg
@@ -396,9 +398,13 @@ def test_bad_inputs_name_the_problem(seed, monkeypatch):
     p.w13 = separate(p.w13)
     with pytest.raises(LayoutError, match="interleaved"):
         fused_experts(x, w, ids, p, spec)
-    for scheme in ("fp8", "a8w4"):
-        with pytest.raises(ValueError, match=f"{scheme} needs block_n1=256"):
-            TileConfig(16, 128, 128, 4, 2, 128, 128, 4, 2).check(scheme)
+    with pytest.raises(ValueError, match="fp8 needs block_n1=256, block_k1=128, block_k2=128"):
+        TileConfig(16, 128, 128, 4, 2, 128, 128, 4, 2).check("fp8")
+    for bad in ((64, 64, 64), (512, 64, 64), (128, 32, 64), (128, 64, 128)):  # (n1, k1, k2)
+        with pytest.raises(ValueError, match=r"a8w4 needs block_n1 in \(128, 256\), block_k1 in \(64, 128\) and "
+                                             r"block_k2=64"):
+            TileConfig(16, bad[0], bad[1], 4, 2, 128, bad[2], 4, 2).check("a8w4")
+    TileConfig(16, 128, 128, 4, 2, 256, 64, 4, 2).check("a8w4")
     with pytest.raises(ValueError, match="a16w4 needs block_n1, block_n2 multiples of 16 and block_k1"):
         TileConfig(16, 128, 32, 4, 2, 128, 64, 4, 2).check("a16w4")
 

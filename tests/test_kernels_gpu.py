@@ -216,3 +216,42 @@ def test_large_t_launches_graph_replay_and_no_sync(seed, scheme):
         assert rel_err(out, experts_torch(x, w, ids, p, spec)) <= 1e-2, mode
         counter = fused_experts(x, w, ids, p, spec, combine="counter")
         assert rel_err(out, counter) <= 4e-3, mode
+
+
+@pytest.mark.parametrize("block_n1", [128, 256])
+def test_a8w4_flushed_blocks(seed, block_n1):
+    # a8w4 with flushed blocks (mx_flush, atom_moe/mx_quads.py) at gpt-oss dims through both GEMM1
+    # widths: the compiled decode's flush select zeroes exactly what the twin zeroes, and the same
+    # weights with the switch off miss the twin.
+    import dataclasses
+    import warnings
+    from atom_moe import mx_quads
+    from atom_moe.experts_torch import experts_torch
+    from atom_moe.kernels.tuning import TileConfig
+    from atom_moe.spec import MoESpec
+    from atom_moe.weights import prepare_mxfp4_local
+    _, fused_experts = _fused()
+    H, I, E, k, T = 2880, 2880, 4, 4, 200
+    spec = MoESpec.create(hidden_size=H, intermediate_size=I, num_experts=E, top_k=k, scheme="a8w4")
+
+    def block(rows, cols):  # random e2m1 bytes and e8m0 scales, ~15% of the blocks 15-37 binades down
+        packed = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8)
+        scales = torch.randint(119, 126, (rows, cols // 32), dtype=torch.uint8)
+        drop = torch.rand(scales.shape) < 0.15
+        scales[drop] = torch.randint(90, 108, (int(drop.sum()),), dtype=torch.uint8)
+        return packed, scales
+
+    experts = [(*block(2 * I, H), *block(H, I)) for _ in range(E)]
+    flushed = sum(int(mx_quads.flushed_blocks(p, s).sum()) for ex in experts for p, s in (ex[:2], ex[2:]))
+    assert flushed > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the flush warning (tested on the CPU)
+        p = prepare_mxfp4_local(spec, [tuple(t.cuda() for t in ex) for ex in experts])
+    assert p.mx_flush is True
+    w, ids = make_routing(T, E, k, mode="random", device="cuda")
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    cfg = TileConfig(32, block_n1, 64, 4, 3, 64, 64, 4, 3)
+    twin = experts_torch(x, w, ids, p, spec)
+    got = fused_experts(x, w, ids, p, spec, config=cfg)
+    assert torch.isfinite(got).all() and rel_err(got, twin) <= 1e-2
+    assert rel_err(fused_experts(x, w, ids, dataclasses.replace(p, mx_flush=False), spec, config=cfg), twin) > 0.1

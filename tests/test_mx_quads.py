@@ -562,6 +562,40 @@ def test_fused_a8w4_flushes_the_blocks_the_twin_flushes(seed):
     assert rel_err(unflushed, twin) > 0.1  # ten times the tolerance above
 
 
+@pytest.mark.parametrize("block_n1", [128, 256])
+def test_a8w4_gemm1_quantizes_its_output_per_64_group(seed, block_n1):
+    # a8w4 quantizes GEMM2's input per token-group-64 (Scheme.inter_group), so GEMM1's tile may be
+    # 128 rows (one group) or 256 (two). Every row's scale of every group (I = 160: two whole groups
+    # and a half one) is that group's amax / 448, and the e4m3 values are the twin's.
+    pytest.importorskip("triton")
+    from kernel_cases import make_routing, rel_err
+    from atom_moe.experts import allocate_workspace, fused_experts
+    from atom_moe.kernels.tuning import TileConfig
+    from atom_moe.reference import apply_activation, quant_dequant_activations
+    H, I, E, T, bm = 128, 160, 3, 6, 16
+    spec = _spec("a8w4", H, I, E)
+    p = prepare_mxfp4_local(spec, _experts(E, H, I))
+    w, ids = make_routing(T, E, 2)
+    x = torch.randn(T, H).to(torch.bfloat16)
+    ws = allocate_workspace(spec, T, "cpu")
+    assert tuple(ws.inter_scale.shape[1:]) == (3,)
+    fused_experts(x, w, ids, p, spec, workspace=ws, config=TileConfig(bm, block_n1, 64, 4, 2, 64, 64, 4, 2))
+    xin = quant_dequant_activations(x, spec.scheme)
+    rows = 0
+    for r, pair in enumerate(ws.sorted_ids[:ws.block_expert.numel() * bm].tolist()):
+        local = int(ws.block_expert[r // bm])
+        if local < 0 or pair >= T * 2:  # unused block, padding row
+            continue
+        h = xin[pair // 2] @ et.dequantize_w13(p, local).T
+        act = apply_activation(h[0::2], h[1::2], spec.activation)
+        amax = torch.nn.functional.pad(act, (0, 32)).view(3, 64).abs().amax(1)
+        torch.testing.assert_close(ws.inter_scale[r], amax / 448, rtol=1e-4, atol=0)
+        deq = ws.inter[r].float() * ws.inter_scale[r].repeat_interleave(64)[:I]
+        assert rel_err(deq, quant_dequant_activations(act[None], spec.scheme, inter=True)[0]) <= 1e-3
+        rows += 1
+    assert rows == T * 2
+
+
 def test_dequantize_helpers_refuse_bad_input(seed):
     # the decoders' test entry points: wrong dtypes, shapes and block sizes are clear errors, never a
     # reinterpretation of the bytes or a crash inside the kernel
