@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 
 from . import bench
+from .spec import Scheme
 
 DEFAULT_SHAPES = ("deepseek-v3", "gpt-oss-120b")
 DEFAULT_SCHEMES = ("bf16", "fp8", "a16w4", "a8w4")
@@ -88,7 +89,8 @@ def kernel_terms(scheme: str, H: int, I: int, T: int, top_k: int, n_hit: int, *,
     """Bytes each launch must move and flops it must do, for T tokens at EP size 1.
 
     pairs = T * top_k (every slot local), n_hit = distinct experts hit. Activations are
-    e4m3 (1 byte, fp32 scale per 128) for fp8 and a8w4, else bf16 (2 bytes). Weights:
+    e4m3 (1 byte, fp32 scale per 128; GEMM2's input per Scheme.inter_group: 64 for a8w4) for
+    fp8 and a8w4, else bf16 (2 bytes). Weights:
     bf16 2 bytes, fp8 1 byte + fp32 128x128 block scales, MXFP4 0.5 byte + one e8m0 byte
     per 32 along K. Padding rows, block tables, expert_map and topk weights are left out
     (< 0.1% at these shapes).
@@ -117,6 +119,7 @@ def kernel_terms(scheme: str, H: int, I: int, T: int, top_k: int, n_hit: int, *,
     mx = scheme in ("a16w4", "a8w4")
     act = 1 if fp8_act else 2
     gH, gI = math.ceil(H / FP8_GROUP), math.ceil(I / FP8_GROUP)
+    g_inter = math.ceil(I / Scheme(scheme).inter_group) if fp8_act else 0  # GEMM2's input scales per row
     n_counters = math.ceil(H / 32)  # kernels.tuning.MIN_BLOCK_N2: one counter per 32 columns
 
     routing = {"topk_ids read": pairs * id_bytes, "sorted ids write": pairs * 4, "counters zero": T * n_counters * 4}
@@ -133,7 +136,7 @@ def kernel_terms(scheme: str, H: int, I: int, T: int, top_k: int, n_hit: int, *,
         gemm1["x scales read"] = T * gH * 4
     gemm1["inter write"] = pairs * I * act
     if fp8_act:
-        gemm1["inter scales write"] = pairs * gI * 4
+        gemm1["inter scales write"] = pairs * g_inter * 4
 
     gemm2 = {"w2": n_hit * _weight_bytes(scheme, H, I)}
     if scheme == "fp8":
@@ -142,7 +145,7 @@ def kernel_terms(scheme: str, H: int, I: int, T: int, top_k: int, n_hit: int, *,
         gemm2["w2 scales"] = n_hit * H * I // MX_BLOCK
     gemm2["inter read"] = pairs * I * act
     if fp8_act:
-        gemm2["inter scales read"] = pairs * gI * 4
+        gemm2["inter scales read"] = pairs * g_inter * 4
     terms = {"gemm1": KernelTerms(gemm1, 2 * pairs * 2 * I * H)}
     if separate:
         gemm2["partial write"] = pairs * H * x_bytes

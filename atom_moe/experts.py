@@ -1,8 +1,8 @@
 """The fused experts step on one GPU: routing metadata, GEMM1 (+SwiGLU, +fp8 quant), GEMM2 (+combine).
 
 Schemes: bf16, fp8 (e4m3 weights, 128x128 block scales), a16w4 (MXFP4 weights, bf16
-activations) and a8w4 (MXFP4 weights as MX quads, e4m3 activations per token-group-128; fp8 dots, see
-kernels/gemm1.py).
+activations) and a8w4 (MXFP4 weights as MX quads, e4m3 activations: the layer input per
+token-group-128, GEMM2's input per token-group-64; fp8 dots, see kernels/gemm1.py).
 
 Three Triton launches per call at small T; larger T adds a separate combine
 (kernels/gemm2.py) and a second routing-sort launch (kernels/routing.py). No host sync,
@@ -87,7 +87,7 @@ def allocate_workspace(spec: MoESpec, max_tokens: int, device: torch.device | st
     rows = routing.max_blocks(pairs, E_l, tuning.MAX_BLOCK_M) * tuning.MAX_BLOCK_M
     blocks = routing.max_blocks(pairs, E_l, tuning.MIN_BLOCK_M)
     n_counters = -(-H // tuning.MIN_BLOCK_N2)
-    fp8 = spec.scheme.fp8_activations  # fp8 and a8w4: e4m3 activations per token-group-128
+    fp8 = spec.scheme.fp8_activations  # fp8 and a8w4: e4m3 activations per token group
     i32 = dict(dtype=torch.int32, device=device)
     return Workspace(
         max_tokens=max_tokens, top_k=k, num_local=E_l, scheme=spec.scheme,

@@ -18,7 +18,8 @@ a8w4 streams its own layout, MX quads (atom_moe/mx_quads.py): each word holds on
 codes for two e4m3 mma A-fragment registers (k-quads), and `tile_e4m3` turns it into them
 with one byte permute (PRMT) per 4 codes, through an 8-byte table that folds the block's
 scale into the e4m3 exponent (value * 2^(s - base + 6), exact). The dots are fp8; each K
-step's product is scaled by the activation scale (per token-group-128) into the fp32
+step's product is scaled by the activation scale (per token group: 128 for GEMM1's input, 64
+for GEMM2's, `Scheme.inter_group`) into the fp32
 accumulator, and `row_factor` applies 2^(base - 133) per output row after the loop.
 FLUSH (set at preparation when some block sits more than 2^11 below its row's largest
 scale) zeroes those blocks' tables, as the torch twin does. Off NVIDIA GPUs and under the
