@@ -51,6 +51,16 @@ def start_runtime(rank: int = 0, world: int = 1, port: int | None = None, *, dp:
     initialize_moe_config()
 
 
+def stop_runtime() -> None:
+    """Tear this rank's SGLang groups down (collective: every rank calls it). Left to interpreter
+    exit, their gloo threads can abort the process after the checks passed ("terminate called
+    without an active exception", seen once in CI on test_two_ranks[dp_ep-fp8])."""
+    from sglang.srt.distributed import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    ps.destroy_distributed_environment()
+
+
 def quant_config(scheme: str):
     """SGLang's quant config for a checkpoint of this scheme (what its model config builds)."""
     if scheme == "fp8":

@@ -10,7 +10,7 @@ MODE dp_ep: --tp 2 --ep-size 2 --enable-dp-attention --dp 2 --moe-a2a-backend me
 ATOM_USE_FLYDSL_FUSED=1. Tokens differ per rank; MegaMoE dispatches and combines, each
 rank's output equals the full reference for its tokens, and SGLang's post-experts
 reduction leaves it alone (no double counting).
-Prints "RANK r OK" on success; any failure raises (non-zero exit).
+Prints "RANK r OK" on success, after tearing SGLang's groups down; any failure raises (non-zero exit).
 """
 
 from __future__ import annotations
@@ -70,7 +70,6 @@ def check_limit() -> None:
     try:
         check_limits(spec, 1, safe + 1, transport="local", experts_backend="triton")  # ... and is the largest
     except BufferLimitError:
-        print(f"RANK {rank} OK", flush=True)
         return
     raise AssertionError(f"{safe} is not the largest safe value")
 
@@ -125,8 +124,9 @@ def main() -> None:
             assert "cannot run" in str(exc) and "float16" in str(exc), exc
         else:
             raise AssertionError("an unsupported layer under fused megamoe was accepted")
-    print(f"RANK {rank} OK", flush=True)
 
 
 if __name__ == "__main__":
     main()
+    c.stop_runtime()  # OK means the teardown finished too
+    print(f"RANK {rank} OK", flush=True)
