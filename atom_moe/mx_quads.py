@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import torch
 
-from .mx_tiles import BLOCK_BYTES, SCALE_BYTES, _codes, bytes_word, padded, padded_codes, tiled_shapes, word_bytes
+from .mx_tiles import (BLOCK_BYTES, SCALE_BYTES, _codes, bytes_word, packed_bytes, padded, padded_codes, tiled_shapes,
+                       word_bytes)
 
 RESIDUAL_BIAS = 12  # d = s - base + 12; d in [1, 12] decodes exactly
 E8M0_NAN = 255
@@ -127,10 +128,9 @@ def untile(values: torch.Tensor, residuals: torch.Tensor, rowexp: torch.Tensor, 
     c = torch.stack((c0, c1), dim=-2)  # lane j | t i
     c = c.reshape(*lead, n_pad // 16, k_pad // 64, 8, 4, 2, 2, 2, 4)  # nb kb g q s h t i
     c = c.permute(*range(nd), nd, nd + 5, nd + 2, nd + 1, nd + 4, nd + 6, nd + 3, nd + 7)  # nb h g kb s t q i
-    codes = c.reshape(*lead, n_pad, k_pad)[..., :n, :k].to(torch.uint8)
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    packed = packed_bytes(c.reshape(*lead, n_pad, k_pad), n, k)
     d = residuals.reshape(*lead, n_pad // 16, k_pad // 64, 8, 2, 2)  # nb kb g s h
     d = d.permute(*range(nd), nd, nd + 4, nd + 2, nd + 1, nd + 3).reshape(*lead, n_pad, k_pad // 32)
     d = d[..., :n, : k // 32].to(torch.int32)
     scales = (d + rowexp.to(torch.int32).unsqueeze(-1) - RESIDUAL_BIAS) % 256
-    return packed.contiguous(), scales.to(torch.uint8).contiguous()
+    return packed, scales.to(torch.uint8).contiguous()

@@ -83,6 +83,12 @@ def padded_codes(packed: torch.Tensor, scales: torch.Tensor, layout: str) -> tup
     return codes, n, k
 
 
+def packed_bytes(codes: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Padded codes [..., N padded, K padded] -> plain e2m1 bytes uint8 [..., n, k/2] (the inverse of padded_codes)."""
+    c = codes[..., :n, :k].to(torch.uint8)
+    return (c[..., 0::2] | (c[..., 1::2] << 4)).contiguous()
+
+
 def word_bytes(word: torch.Tensor) -> torch.Tensor:
     """int64 32-bit words [...] -> uint8 [..., 4], little-endian."""
     return torch.stack([(word >> (8 * i)) & 0xFF for i in range(4)], dim=-1).to(torch.uint8)
@@ -133,8 +139,7 @@ def untile(values: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> tuple[
         c[..., o, e] |= ((word >> pos) & 1) << bit
     c = c.reshape(*lead, n_pad // 16, k_pad // 64, 8, 4, 4, 2, 2, 2)  # nb kb g q j c h e
     c = c.permute(*range(nd), nd, nd + 6, nd + 2, nd + 1, nd + 4, nd + 5, nd + 3, nd + 7)  # nb h g kb j c q e
-    codes = c.reshape(*lead, n_pad, k_pad)[..., :n, :k].to(torch.uint8)
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    packed = packed_bytes(c.reshape(*lead, n_pad, k_pad), n, k)
     s = scales.reshape(*lead, n_pad // 16, k_pad // 64, 8, 2, 2)  # nb kb g h jg
     s = s.permute(*range(nd), nd, nd + 3, nd + 2, nd + 1, nd + 4).reshape(*lead, n_pad, k_pad // 32)
-    return packed.contiguous(), s[..., :n, : k // 32].contiguous()
+    return packed, s[..., :n, : k // 32].contiguous()

@@ -526,12 +526,28 @@ def test_gemm_launch_guards(seed):
     with pytest.raises(LayoutError, match="must be mx_tiles for a16w4"):
         gemm1.gemm1(x.bfloat16(), None, p8.w13, p8.w13_scale, None, ids, blocks, 1, k, out.bfloat16(), None,
                     **{**kw, "block_n": 64, "block_k": 64})
+    # GEMM1's tile holds whole 64-groups of its output, with one scale per (row, group)
+    quads = dict(w13_rowexp_t=p8.w13_rowexp)
+    with pytest.raises(ValueError, match="a8w4 GEMM1 needs block_n=128 or 256 and block_k=64 or 128"):
+        gemm1.gemm1(x, x_scale, p8.w13, p8.w13_scale, None, ids, blocks, 1, k, out, out_scale,
+                    **{**kw, "block_n": 64}, **quads)
+    with pytest.raises(ValueError, match=r"GEMM1: out_scale must be \[6, ceil\(I/64\)\] for a8w4, got \(6, 2\)"):
+        gemm1.gemm1(x, x_scale, p8.w13, p8.w13_scale, None, ids, blocks, 1, k, out, torch.ones(T * k, 2), **kw,
+                    **quads)
     a = torch.zeros(T * k, I).to(F.FP8_DTYPE)
-    with pytest.raises(ValueError, match="GEMM2: a8w4 \\(MX quads\\) needs w2_rowexp"):
-        gemm2.gemm2(a, torch.ones(T * k, 1), p8.w2, p8.w2_scale, None, ids, blocks, 1, torch.zeros(T, k),
+
+    def call_gemm2(a_scale, block_k, **extra):
+        gemm2.gemm2(a, a_scale, p8.w2, p8.w2_scale, None, ids, blocks, 1, torch.zeros(T, k),
                     p8.expert_map, torch.ones(T, k), torch.zeros(T * k, H), torch.zeros(T, 1, dtype=torch.int32), 1,
-                    torch.zeros(T, H, dtype=torch.bfloat16), block_m=16, block_n=64, block_k=128, num_warps=4,
-                    num_stages=2, hidden=H)
+                    torch.zeros(T, H, dtype=torch.bfloat16), block_m=16, block_n=64, block_k=block_k, num_warps=4,
+                    num_stages=2, hidden=H, **extra)
+
+    with pytest.raises(ValueError, match="GEMM2: a8w4 \\(MX quads\\) needs w2_rowexp"):
+        call_gemm2(torch.ones(T * k, 1), 64)
+    with pytest.raises(ValueError, match="a8w4 GEMM2 needs block_k=64 \\(its activation's quant group\\), got 128"):
+        call_gemm2(torch.ones(T * k, 1), 128, w2_rowexp=p8.w2_rowexp)
+    with pytest.raises(ValueError, match=r"GEMM2: a_scale must be \[6, ceil\(I/64\)\] for a8w4, got \(6, 2\)"):
+        call_gemm2(torch.ones(T * k, 2), 64, w2_rowexp=p8.w2_rowexp)
 
 
 def test_fused_a8w4_flushes_the_blocks_the_twin_flushes(seed):
