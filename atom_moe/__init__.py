@@ -1,18 +1,33 @@
 """atom_moe: a portable (Triton) fused expert-parallel MoE layer, "MegaMoE", for vLLM and SGLang.
 
 Data flow: route -> dispatch -> gemm1 (+SwiGLU) -> quant -> gemm2 -> combine.
-docs/architecture.md maps each stage to its module.
+docs/architecture.md maps each stage to its module; docs/api.md shows this API end to end.
+
+What a user needs is exported here:
+- describe a layer: `MoESpec` (with `Routing`, `Activation`, `Scheme`, `Placement`), `preset`, `PRESETS`;
+- prepare its weights once: `load_model` (config.json -> spec), `prepare_hf_experts`,
+  `prepare_gpt_oss` (checkpoint tensors), `prepare_stacked` (engine tensors);
+- run it: `route` (logits -> top-k), `fused_experts` with `allocate_workspace` (one rank),
+  `MegaMoE` (expert parallel, dispatch and combine included);
+- check it: `reference_moe` on `ReferenceWeights` (the fp32 oracle).
+Importing this package loads no Triton kernel; the kernels compile on first use.
 """
 
-from .layout import GateUpLayout, GateUpTensor, LayoutError
+from .checkpoint import ModelLayer, load_model, prepare_gpt_oss, prepare_hf_experts
+from .ep import MegaMoE, MegaMoEError
+from .experts import Workspace, allocate_workspace, fused_experts
+from .layouts.gate_up import GateUpLayout, GateUpTensor, LayoutError
 from .presets import PRESETS, preset
+from .reference import ReferenceWeights, reference_moe
+from .routing import route
 from .spec import Activation, ActivationKind, MoESpec, Placement, Routing, Scheme, Scoring, SpecError
-from .weights import PreparedWeights, WeightError, prepare_gpt_oss, prepare_hf_experts, prepare_stacked
+from .weights import PreparedWeights, WeightError, prepare_stacked
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Activation", "ActivationKind", "GateUpLayout", "GateUpTensor", "LayoutError", "MoESpec", "PRESETS",
-    "Placement", "PreparedWeights", "Routing", "Scheme", "Scoring", "SpecError", "WeightError",
-    "__version__", "preset", "prepare_gpt_oss", "prepare_hf_experts", "prepare_stacked",
+    "Activation", "ActivationKind", "GateUpLayout", "GateUpTensor", "LayoutError", "MegaMoE", "MegaMoEError",
+    "ModelLayer", "MoESpec", "PRESETS", "Placement", "PreparedWeights", "ReferenceWeights", "Routing", "Scheme",
+    "Scoring", "SpecError", "WeightError", "Workspace", "__version__", "allocate_workspace", "fused_experts",
+    "load_model", "preset", "prepare_gpt_oss", "prepare_hf_experts", "prepare_stacked", "reference_moe", "route",
 ]

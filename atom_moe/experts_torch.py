@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from . import formats, mx_quads, mx_tiles
-from .layout import GateUpLayout, require
+from . import formats
+from .layouts import mx_quads, mx_tiles
+from .layouts.gate_up import GateUpLayout, require
 from .reference import apply_activation, quant_dequant_activations
 from .spec import FP8_BLOCK, MoESpec, Scheme
 from .weights import PreparedWeights
@@ -40,7 +41,7 @@ def dequantize_w13(weights: PreparedWeights, local: int) -> torch.Tensor:
 def _dequantize_mx(values: torch.Tensor, scale: torch.Tensor, rowexp: torch.Tensor | None, n: int, k: int
                    ) -> torch.Tensor:
     """fp32 [n, k] from one expert's MX tiles (a16w4), or MX quads (a8w4: with rowexp, flushed blocks
-    zeroed as the kernels do, atom_moe/mx_quads.py). Untiled per expert: rows come back INTERLEAVED."""
+    zeroed as the kernels do, atom_moe/layouts/mx_quads.py). Untiled per expert: rows come back INTERLEAVED."""
     if rowexp is None:
         return formats.dequantize_mxfp4(*mx_tiles.untile(values, scale, n, k))
     packed, scales = mx_quads.untile(values, scale, rowexp, n, k)

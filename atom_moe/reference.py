@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from . import formats
-from .layout import separate
+from .layouts.gate_up import separate
 from .spec import FP8_BLOCK, Activation, ActivationKind, Scheme
 from .weights import PreparedWeights, plain_mxfp4
 

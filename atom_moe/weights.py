@@ -1,6 +1,6 @@
 """Raw checkpoint / engine tensors -> prepared per-layer expert weights (built once).
 
-Prepared weight formats by scheme (E_l = local experts, tags from atom_moe.layout):
+Prepared weight formats by scheme (E_l = local experts, tags from atom_moe.layouts.gate_up):
 
 | scheme      | w13 (INTERLEAVED rows)      | w13_scale                           | w2                 | w2_scale               |
 |-------------|-----------------------------|-------------------------------------|--------------------|------------------------|
@@ -9,13 +9,13 @@ Prepared weight formats by scheme (E_l = local experts, tags from atom_moe.layou
 | a16w4       | uint8 MX tiles [E_l, ceil(2I/16), ceil(H/64), 512] (MX_TILES) | uint8 [E_l, ceil(2I/16), ceil(H/64), 32] (MX_TILES) | uint8 [E_l, ceil(H/16), ceil(I/64), 512] | uint8 [E_l, ceil(H/16), ceil(I/64), 32] |
 | a8w4        | the same shapes as MX quads (MX_QUADS)   | residual bytes, same shape (MX_QUADS) | MX quads           | residual bytes         |
 
-a16w4 weights are stored only as MX tiles (atom_moe.mx_tiles: e2m1 codes and e8m0 scales
+a16w4 weights are stored only as MX tiles (atom_moe.layouts.mx_tiles: e2m1 codes and e8m0 scales
 repacked for the kernels' mma fragments, N padded to 16 and K to 64 with zero codes and
 scale byte 0). w13's rows are tiled in INTERLEAVED order [g0, u0, g1, u1, ...].
 `plain_mxfp4` untiles them back to checkpoint MXFP4 (uint8 e2m1x2 [E_l, 2I, H/2] INTERLEAVED,
 e8m0 [E_l, 2I, H/32], [E_l, H, I/2], [E_l, H, I/32]) for oracles and baselines; the plain
 copy is never kept. `mx_scale_max` records the largest e8m0 byte of both (0 for bf16/fp8).
-a8w4 stores MX quads instead (atom_moe.mx_quads: e4m3 mma word order, scales as residuals of a
+a8w4 stores MX quads instead (atom_moe.layouts.mx_quads: e4m3 mma word order, scales as residuals of a
 per-row exponent), with w13_rowexp uint8 [E_l, 2I] INTERLEAVED and w2_rowexp uint8 [E_l, H];
 `mx_flush` says whether some block is flushed (more than 2^11 below its row's largest scale);
 preparation warns with the count when it is.
@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable, MutableMapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from . import formats, mx_quads, mx_tiles
-from .layout import GateUpKind, GateUpLayout, GateUpTensor, interleave, require
+from . import formats
+from .layouts import mx_quads, mx_tiles
+from .layouts.gate_up import GateUpKind, GateUpLayout, GateUpTensor, interleave, require
 from .spec import FP8_BLOCK, MX_BLOCK, MoESpec, Scheme
 
 
@@ -65,7 +66,7 @@ class PreparedWeights:
     # MXFP4: the largest e8m0 byte over w13_scale and w2_scale (the kernels pick their scale
     # decode by it: bytes > 128 need the general path). 0 for bf16/fp8.
     mx_scale_max: int = 0
-    # a8w4 (MX quads): per-row exponents, and whether some block is flushed (atom_moe.mx_quads)
+    # a8w4 (MX quads): per-row exponents, and whether some block is flushed (atom_moe.layouts.mx_quads)
     w13_rowexp: GateUpTensor | None = None
     w2_rowexp: torch.Tensor | None = None
     mx_flush: bool | None = None  # None: measured at construction (below)
@@ -324,7 +325,7 @@ def prepare_mxfp4_local(spec: MoESpec, experts: Iterable[tuple[torch.Tensor, tor
     flushed = st13.flushed + st2.flushed
     if flushed:
         warnings.warn(f"a8w4: {flushed} MXFP4 blocks of this layer have a scale more than 2^11 below their row's "
-                      f"largest and are flushed to zero (atom_moe/mx_quads.py); a16w4 keeps them", stacklevel=2)
+                      f"largest and are flushed to zero (atom_moe/layouts/mx_quads.py); a16w4 keeps them", stacklevel=2)
     return PreparedWeights(
         scheme=spec.scheme, hidden_size=H, intermediate_size=I, num_experts=spec.num_experts,
         local_experts=spec.local_experts, num_local_experts=El, expert_map=_expert_map(spec, dev),
@@ -513,64 +514,3 @@ def _gate_up_selectors(layout: GateUpLayout, w13_scale, src: str, I: int):
     if w13_scale.dim() != 4 or w13_scale.shape[1:3] != (nb, 2):
         raise WeightError(f"interleaved fp8 w13 scales must be [E, {nb}, 2, kb], got {tuple(w13_scale.shape)}")
     return gate_rows, up_rows, (slice(None), 0), (slice(None), 1)
-
-
-def _pop(tensors: MutableMapping[str, torch.Tensor], key: str) -> torch.Tensor:
-    try:
-        return tensors.pop(key)
-    except KeyError:
-        sample = ", ".join(sorted(tensors)[:4])
-        raise WeightError(f"missing checkpoint tensor {key!r} (have e.g. {sample or 'nothing'})") from None
-
-
-def prepare_hf_experts(spec: MoESpec, tensors: MutableMapping[str, torch.Tensor], prefix: str,
-                       device: torch.device | str | None = None) -> PreparedWeights:
-    """HF per-expert tensors (DeepSeek, Qwen, GLM, Kimi) -> PreparedWeights; consumes the local entries.
-
-    Keys: f"{prefix}.{e}.{gate_proj|up_proj|down_proj}.weight" ([I, H] / [H, I]) and, for
-    fp8 checkpoints, the matching ".weight_scale_inv" block scales. `prefix` is e.g.
-    "model.layers.3.mlp.experts". Non-local experts' entries are left in the mapping.
-    """
-    ws13, ws2, ss13, ss2 = [], [], [], []
-    H, I = spec.hidden_size, spec.intermediate_size
-    for e in spec.local_experts:
-        base = f"{prefix}.{e}"
-        gate, up, down = (_pop(tensors, f"{base}.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj"))
-        for p, t, shape in (("gate_proj", gate, (I, H)), ("up_proj", up, (I, H)), ("down_proj", down, (H, I))):
-            if tuple(t.shape) != shape:
-                raise WeightError(f"{base}.{p}.weight has shape {tuple(t.shape)}, expected [{shape[0]}, {shape[1]}]")
-        ws13.append(torch.cat((gate, up)))
-        ws2.append(down)
-        if gate.dtype == formats.FP8_DTYPE:
-            scales = [_pop(tensors, f"{base}.{p}.weight_scale_inv") for p in ("gate_proj", "up_proj", "down_proj")]
-            ss13.append(torch.cat(scales[:2]))
-            ss2.append(scales[2])
-        del gate, up, down
-    return prepare_stacked(
-        spec, torch.stack(ws13), torch.stack(ws2), layout=GateUpLayout.SEPARATED,
-        w13_scale=torch.stack(ss13) if ss13 else None, w2_scale=torch.stack(ss2) if ss2 else None,
-        expert_ids=spec.local_experts, device=device,
-    )
-
-
-def prepare_gpt_oss(spec: MoESpec, tensors: MutableMapping[str, torch.Tensor], prefix: str,
-                    device: torch.device | str | None = None) -> PreparedWeights:
-    """gpt-oss checkpoint tensors -> PreparedWeights; consumes the entries it reads.
-
-    Keys under `prefix` (e.g. "model.layers.0.mlp.experts"): gate_up_proj_blocks uint8
-    [E, 2I, H/32, 16], gate_up_proj_scales uint8 [E, 2I, H/32], gate_up_proj_bias [E, 2I]
-    (rows INTERLEAVED: gate even, up odd), down_proj_blocks [E, H, I/32, 16],
-    down_proj_scales [E, H, I/32], down_proj_bias [E, H].
-    """
-    if not spec.has_bias:
-        raise WeightError("gpt-oss experts carry biases: build the spec with has_bias=True")
-    get = lambda name: _pop(tensors, f"{prefix}.{name}")  # noqa: E731
-    blocks13, scales13, bias13 = get("gate_up_proj_blocks"), get("gate_up_proj_scales"), get("gate_up_proj_bias")
-    blocks2, scales2, bias2 = get("down_proj_blocks"), get("down_proj_scales"), get("down_proj_bias")
-    for name, t in (("gate_up_proj_blocks", blocks13), ("down_proj_blocks", blocks2)):
-        if t.dim() != 4 or t.shape[-1] != 16:
-            raise WeightError(f"{prefix}.{name} must be [E, N, K/32, 16] uint8, got {tuple(t.shape)}")
-    return prepare_stacked(
-        spec, blocks13.flatten(-2), blocks2.flatten(-2), layout=GateUpLayout.INTERLEAVED,
-        w13_scale=scales13, w2_scale=scales2, w13_bias=bias13, w2_bias=bias2, device=device,
-    )

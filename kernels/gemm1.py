@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_moe.layout import GateUpKind, GateUpLayout, GateUpTensor, LayoutError, require
+from atom_moe.layouts.gate_up import GateUpKind, GateUpLayout, GateUpTensor, LayoutError, require
 from atom_moe.spec import A8W4_INTER_GROUP
 
 from .common import FP8_MAX, QGROUP, cast, dot, interpreting, tile_ids
@@ -152,7 +152,7 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
 
     MXFP4 w13 comes as MX tiles (a16w4; mx_big: some e8m0 scale is above 128) or, with e4m3
     activations (a8w4), as MX quads with their row exponents w13_rowexp_t (mx_flush: some
-    blocks are flushed, atom_moe/mx_quads.py).
+    blocks are flushed, atom_moe/layouts/mx_quads.py).
     """
     # The pairing of gate and up rows is checked, never assumed: a mispaired layout runs fine
     # and silently ruins accuracy.

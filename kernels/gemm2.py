@@ -243,7 +243,7 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
     separate: only write the weighted rows to `partial` (from `separate_partial`); the
     caller then runs `combine`. hidden (H): required for MXFP4, whose MX tiles are padded;
     mx_big: some MXFP4 e8m0 scale is above 128 (a16w4). a8w4's w2 is MX quads, with its row
-    exponents w2_rowexp (uint8 [E, H]) and mx_flush (atom_moe/mx_quads.py).
+    exponents w2_rowexp (uint8 [E, H]) and mx_flush (atom_moe/layouts/mx_quads.py).
     """
     fp8 = a_scale is not None  # e4m3 activations (fp8, a8w4)
     w4 = w2.dtype == torch.uint8  # MXFP4 weights (a16w4, a8w4): MX tiles [E, H/16, I/64, 512]

@@ -1,4 +1,4 @@
-"""MXFP4 weight tiles decoded in registers: MX tiles (atom_moe/mx_tiles.py) and, for a8w4, MX quads.
+"""MXFP4 weight tiles decoded in registers: MX tiles (atom_moe/layouts/mx_tiles.py) and, for a8w4, MX quads.
 
 The GEMMs read MX tiles as int32 words: a [BLOCK_N, BLOCK_K] weight tile is NB x KB blocks of
 16 rows x 64 k (NB = BLOCK_N / 16, KB = BLOCK_K / 64), 128 words each, plus one scale word per
@@ -14,7 +14,7 @@ reference. Against the plain-row layout (`scripts/kernel_sass.py`, sm_90a): 4.3-
 instructions per weight in the GEMMs' K loop instead of 12.6; on an H200 the gpt-oss layer
 got 1.9-3.1x faster at T <= 512 (docs/perf/mxfp4-h200.md).
 
-a8w4 streams its own layout, MX quads (atom_moe/mx_quads.py): each word holds one row's
+a8w4 streams its own layout, MX quads (atom_moe/layouts/mx_quads.py): each word holds one row's
 codes for two e4m3 mma A-fragment registers (k-quads), and `tile_e4m3` turns it into them
 with one byte permute (PRMT) per 4 codes, through an 8-byte table that folds the block's
 scale into the e4m3 exponent (value * 2^(s - base + 6), exact). The dots are fp8; each K
@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_moe import mx_tiles
+from atom_moe.layouts import mx_tiles
 
 from .common import cast, dot, interpreting
 
@@ -168,7 +168,7 @@ def _lookup(t_lo, t_hi, sel, PRMT: tl.constexpr):
 def tile_e4m3(words, resid, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLUSH: tl.constexpr,
               PRMT: tl.constexpr):
     """MX quad words [NB, KB, 32, 4] + residual bytes [NB, KB, 32, 4] -> e4m3 tile [BLOCK_N, BLOCK_K]
-    holding value * 2^(s - base + 6), exact (atom_moe/mx_quads.py)."""
+    holding value * 2^(s - base + 6), exact (atom_moe/layouts/mx_quads.py)."""
     NB: tl.constexpr = BLOCK_N // 16
     KB: tl.constexpr = BLOCK_K // 64
     w = words.to(tl.uint32, bitcast=True)
@@ -259,7 +259,7 @@ def launch_args(gemm: str, name: str, values: torch.Tensor, scales: torch.Tensor
 def rowexp_arg(gemm: str, name: str, rowexp: torch.Tensor | None, experts: int, n: int) -> torch.Tensor:
     """Check MX quads' row exponents: uint8 [experts, n]."""
     if rowexp is None:
-        raise ValueError(f"{gemm}: a8w4 (MX quads) needs {name}, uint8 [E, {n}] (atom_moe/mx_quads.py)")
+        raise ValueError(f"{gemm}: a8w4 (MX quads) needs {name}, uint8 [E, {n}] (atom_moe/layouts/mx_quads.py)")
     if rowexp.dtype != torch.uint8 or tuple(rowexp.shape) != (experts, n) or not rowexp.is_contiguous():
         raise ValueError(f"{gemm}: {name} must be contiguous uint8 [{experts}, {n}], got {rowexp.dtype} "
                          f"{tuple(rowexp.shape)}")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Benchmark the fused experts path on a GPU: `python scripts/bench.py --help` (logic in atom_moe/bench.py)."""
+"""Benchmark the fused experts path on a GPU: `python scripts/bench.py --help` (logic in atom_moe/tools/bench.py)."""
 
-from atom_moe.bench import main
+from atom_moe.tools.bench import main
 
 if __name__ == "__main__":
     main()

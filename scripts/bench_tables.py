@@ -89,7 +89,7 @@ def main() -> None:
     """Print both tables for the CSVs on the command line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("csv", nargs="+", type=Path)
-    parser.add_argument("--plot", type=Path, help="also draw the roofline PNG (atom_moe.bench.plot)")
+    parser.add_argument("--plot", type=Path, help="also draw the roofline PNG (atom_moe.tools.common.plot)")
     parser.add_argument("--ceilings", nargs=3, type=float, metavar=("READ_TBPS", "BF16_TFLOPS", "FP8_TFLOPS"),
                         help="the ceilings the bench measured in the same run (needed with --plot)")
     args = parser.parse_args()
@@ -97,7 +97,7 @@ def main() -> None:
         parser.error("--plot needs --ceilings READ_TBPS BF16_TFLOPS FP8_TFLOPS (printed by the bench run)")
     rows = read(args.csv)
     if args.plot:
-        from atom_moe.bench import CEILING_KEYS, plot
+        from atom_moe.tools.common import CEILING_KEYS, plot
         plot(rows, dict(zip(CEILING_KEYS, args.ceilings)), args.plot)
     print(fraction_tables(rows))
     print("### Time (us) and achieved TB/s, atom_moe\n")

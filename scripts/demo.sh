@@ -2,4 +2,4 @@
 # Set up what the demo needs (cached) and run `atom-moe demo`. Extra args go to the demo.
 source "$(dirname "$0")/env.sh"
 ensure_python test
-exec "$PY" -m atom_moe.cli demo "$@"
+exec "$PY" -m atom_moe.tools.cli demo "$@"

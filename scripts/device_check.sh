@@ -14,5 +14,5 @@ TRITON_INTERPRET=1 timeout 300 python3 -m pytest -q -p no:cacheprovider -m "not 
 echo "== GPU tests"
 timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -rs --timeout 240 tests/ 2>&1 | tee "$out/gpu.log" | tail -30
 echo "== demo"
-python3 -m atom_moe.cli demo --device cuda 2>&1 | tee "$out/demo.log"
-python3 -m atom_moe.cli demo --device cuda --model gpt-oss-120b --ep 2 --tokens 128 2>&1 | tee -a "$out/demo.log"
+python3 -m atom_moe.tools.cli demo --device cuda 2>&1 | tee "$out/demo.log"
+python3 -m atom_moe.tools.cli demo --device cuda --model gpt-oss-120b --ep 2 --tokens 128 2>&1 | tee -a "$out/demo.log"

@@ -16,21 +16,21 @@ step() { echo "== $1 [$(date +%T)]"; }
 step "GPU tests"
 timeout 230 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/ 2>&1 | tee "$out/gpu.log" | tail -8
 step "bench --ep 2"
-timeout 110 python3 -m atom_moe.cli bench --ep 2 --shapes deepseek-v3 --schemes bf16 fp8 --tokens 1 128 --iters 10 \
+timeout 110 python3 -m atom_moe.tools.cli bench --ep 2 --shapes deepseek-v3 --schemes bf16 fp8 --tokens 1 128 --iters 10 \
     --csv "$out/bench-ep2.csv" 2>&1 | quiet | tail -8
 step "accuracy on the GPU"
-timeout 90 python3 -m atom_moe.cli accuracy deepseek-v3 gpt-oss-120b --scheme bf16 --scheme fp8 --scheme a8w4 \
+timeout 90 python3 -m atom_moe.tools.cli accuracy deepseek-v3 gpt-oss-120b --scheme bf16 --scheme fp8 --scheme a8w4 \
     --tokens 512 --ep 2 --paths triton,torch,symm-fused,symm-split --compare symm-fused,triton \
     --out "$out/accuracy-h200" 2>&1 | quiet | tail -16
 if [ -n "${1:-}" ]; then
   step "tune (resume)"
   cp "$1" "$out/tuned.csv"
-  timeout 100 python3 -m atom_moe.cli tune gpt-oss-120b --scheme a16w4 --scheme a8w4 --tokens 1 128 2048 --iters 10 \
+  timeout 100 python3 -m atom_moe.tools.cli tune gpt-oss-120b --scheme a16w4 --scheme a8w4 --tokens 1 128 2048 --iters 10 \
       --out "$out/tuned.csv" 2>&1 | quiet | tee "$out/tune.log" | tail -14
 fi
 step "breakdown, the other shapes"
-timeout 120 python3 -m atom_moe.cli breakdown --shapes kimi-k2 qwen3-235b-a22b glm-4.5 --schemes bf16 fp8 \
+timeout 120 python3 -m atom_moe.tools.cli breakdown --shapes kimi-k2 qwen3-235b-a22b glm-4.5 --schemes bf16 fp8 \
     --ceilings 4.54 798 1480 --csv "$out/breakdown-more.csv" 2>&1 | quiet | grep "layer" | cut -c1-140
-timeout 60 python3 -m atom_moe.cli breakdown --shapes gpt-oss-120b --schemes a16w4 a8w4 --tokens 1 128 \
+timeout 60 python3 -m atom_moe.tools.cli breakdown --shapes gpt-oss-120b --schemes a16w4 a8w4 --tokens 1 128 \
     --ceilings 4.54 798 1480 --csv "$out/breakdown-mxfp4.csv" 2>&1 | quiet | grep "gemm\|layer" | cut -c1-140
 step "done"

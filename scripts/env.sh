@@ -1,7 +1,7 @@
 # Sourced by scripts/test.sh and scripts/demo.sh: find or build the Python environment.
 #
 # Default: a virtualenv cached outside the repo, in $ATOM_MOE_CACHE (~/.cache/atom_moe),
-# keyed by this file and pyproject.toml, so repeated runs and fresh clones reuse it.
+# keyed by this file and pyproject.toml's dependency tables, so repeated runs and fresh clones reuse it.
 # ATOM_MOE_PYTHON=python3 uses that interpreter as it is (e.g. the GPU machine, which has
 # torch and triton but no network): only this checkout is installed into it, offline.
 set -euo pipefail
@@ -19,7 +19,10 @@ ensure_python() {  # ensure_python EXTRAS -> sets PY
         return
     fi
     local key
-    key=$(cat "$repo/pyproject.toml" "$repo/scripts/env.sh" | sha256sum | cut -c1-12)
+    # keyed by what is installed (the dependency tables and this file), not by the rest of
+    # pyproject.toml: a change to the package list or pytest settings needs no new venv
+    key=$( (sed -n '/^dependencies/p; /^\[project.optional-dependencies\]/,/^\[/p' "$repo/pyproject.toml"
+            cat "$repo/scripts/env.sh") | sha256sum | cut -c1-12)
     local venv="$cache/venv-$(python3 -c 'import sys; print("py%d%d" % sys.version_info[:2])')-$extras-$key"
     if [ ! -f "$venv/.ready" ]; then
         echo "atom_moe: building $venv (once)" >&2

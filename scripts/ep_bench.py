@@ -125,7 +125,7 @@ def weight_bytes_hit(ids_all: torch.Tensor, local: tuple[int, ...], per_expert: 
 
 
 def worker(args: argparse.Namespace) -> None:
-    from atom_moe.bench import Timer, measure_ceilings
+    from atom_moe.tools.common import Timer, measure_ceilings
     from atom_moe.ep import MegaMoE, init_distributed
     from atom_moe.ep.symm import FUSED, SPLIT
     from atom_moe.experts import device_name

@@ -21,7 +21,7 @@ from atom_moe.ep import MegaMoE, init_distributed
 from atom_moe.formats import dequantize_fp8_per_group, quantize_fp8_per_group
 from atom_moe.reference import ReferenceWeights, reference_moe
 from atom_moe.spec import MoESpec
-from atom_moe.synthetic import random_layer, random_tokens
+from atom_moe.tools.synthetic import random_layer, random_tokens
 from atom_moe.weights import prepare_stacked
 
 

@@ -3,7 +3,7 @@ the SASS of their K loop: registers, spills, instructions per weight, the mix, w
 loads are pipelined (cp.async, LDGSTS) or plain (LDG) inside the loop, shared stores (a decoded
 weight tile restaged for the mma shows up there) and the wgmma kind (HGMMA bf16, QGMMA fp8).
 
-How the MXFP4 tile layout (atom_moe/mx_tiles.py) was found: the K loop went from 11-12.5 to
+How the MXFP4 tile layout (atom_moe/layouts/mx_tiles.py) was found: the K loop went from 11-12.5 to
 3.7-4.8 instructions per weight (kernels/mxfp4.py). Per-weight counts are per thread-instruction:
 an H200 issues about 33e12 of them per second (132 SMs x 4 schedulers x 32 lanes x ~1.98 GHz),
 so N instructions per weight cap weight streaming at about 33e12 / N weights per second.

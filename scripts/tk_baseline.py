@@ -10,9 +10,9 @@ MXFP4 weights in triton_kernels' Hopper layouts, two matmul_ogs calls with routi
 plus fused SwiGLU-OAI, then scatter plus top-k combine), called the way vLLM's
 gpt_oss_triton_kernels_moe.py does for the triton_kernels 3.6 API.
 
-Per (shape, T): the same random MXFP4 bytes as atom_moe's bench (bench.random_weights), the
-same routing generator (bench.make_routing), the same timer (bench.Timer: CUDA-graph replay,
-L2 flushed before each replay, median) and the same a16w4 floor (bench.floor_terms at the
+Per (shape, T): the same random MXFP4 bytes as atom_moe's bench (common.random_weights), the
+same routing generator (common.make_routing), the same timer (common.Timer: CUDA-graph replay,
+L2 flushed before each replay, median) and the same a16w4 floor (common.floor_terms at the
 bf16 matmul rate). The timed region starts from given top-k ids and weights, like ours:
 routing metadata (topk with the ids given, bitmatrix sort, ragged metadata) + GEMM1 + GEMM2
 + combine. `--topk-select` instead lets topk pick the experts from logits, which is vLLM's
@@ -49,9 +49,9 @@ from pathlib import Path
 
 import torch
 
-from atom_moe import bench
-from atom_moe.accuracy import rel
-from atom_moe.layout import GateUpKind, GateUpLayout, GateUpTensor
+from atom_moe.tools import bench, common
+from atom_moe.tools.accuracy import rel
+from atom_moe.layouts.gate_up import GateUpKind, GateUpLayout, GateUpTensor
 from atom_moe.reference import ReferenceWeights, reference_moe
 from atom_moe.spec import Activation, ActivationKind, MoESpec
 from atom_moe.weights import plain_mxfp4
@@ -70,8 +70,8 @@ TK_HINT = ("run with PYTHONPATH=.cache/tk/python (triton_kernels from triton v3.
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     """Command line; bad values are rejected here with a message (exit 2)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", nargs="+", default=["gpt-oss-120b"], choices=list(bench.SHAPES))
-    p.add_argument("--tokens", nargs="+", type=int, default=list(bench.TOKENS))
+    p.add_argument("--shapes", nargs="+", default=["gpt-oss-120b"], choices=list(common.SHAPES))
+    p.add_argument("--tokens", nargs="+", type=int, default=list(common.TOKENS))
     p.add_argument("--routing", default="uniform", choices=["uniform", "skewed"], help="as in atom_moe bench")
     p.add_argument("--iters", type=int, default=20, help="timed graph replays per row (median)")
     p.add_argument("--csv", type=Path, default=Path("tk_baseline.csv"))
@@ -304,7 +304,7 @@ def diagnose(args) -> int:
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda")
     gen.manual_seed(0)
-    weights = bench.random_weights(spec)
+    weights = common.random_weights(spec)
     check_format(weights)
     q13, s13, q2, s2 = plain_mxfp4(weights)  # triton_kernels takes plain MXFP4 (small shape: all experts)
     q13, s13 = q13.data, s13.data
@@ -423,8 +423,8 @@ def diagnose(args) -> int:
 
 
 def sorted_routing(T: int, spec: MoESpec, mode: str, gen) -> tuple[torch.Tensor, torch.Tensor]:
-    """bench.make_routing, slots sorted by expert id (topk's own output order; the sum does not care)."""
-    w, ids = bench.make_routing(T, spec.num_experts, spec.top_k, mode, gen)
+    """common.make_routing, slots sorted by expert id (topk's own output order; the sum does not care)."""
+    w, ids = common.make_routing(T, spec.num_experts, spec.top_k, mode, gen)
     ids, order = ids.sort(1)
     return w.gather(1, order), ids
 
@@ -463,8 +463,8 @@ def main(argv: list[str] | None = None) -> None:
     from atom_moe.experts import allocate_workspace, device_name, fused_experts
     from atom_moe.kernels.tuning import lookup
     seen_flags = record_opt_flags(tk_matmul)
-    timer = bench.Timer(args.iters)
-    ceil = bench.ceilings(timer, args.ceilings)
+    timer = common.Timer(args.iters)
+    ceil = common.ceilings(timer, args.ceilings)
     dev = device_name(torch.device("cuda"))
     print(f"device {dev}: HBM read {ceil['read_tbps']:.2f} TB/s, bf16 {ceil['bf16_tflops']:.0f} TFLOP/s, "
           f"fp8 {ceil['fp8_tflops']:.0f} TFLOP/s{' (given)' if args.ceilings else ''}", flush=True)
@@ -477,10 +477,10 @@ def main(argv: list[str] | None = None) -> None:
     gen = torch.Generator(device="cuda")
     gen.manual_seed(0)
     for name in args.shapes:
-        H, I, E, k = bench.SHAPES[name]
+        H, I, E, k = common.SHAPES[name]
         spec = MoESpec(hidden_size=H, intermediate_size=I, num_experts=E, top_k=k, scheme="a16w4",
                        activation=Activation(ActivationKind.SWIGLU_OAI, alpha=ALPHA, limit=LIMIT))
-        weights = bench.random_weights(spec)
+        weights = common.random_weights(spec)
         tk = TritonKernelsMoE(weights, spec, args.layout)
         check_format(weights)
         check_outputs(name, tk, weights, spec, args.check_tokens, args, gen)
@@ -488,7 +488,7 @@ def main(argv: list[str] | None = None) -> None:
         for T in args.tokens:
             w, ids = sorted_routing(T, spec, args.routing, gen)
             x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-            nbytes, flops = bench.floor_terms(spec, ids, 2)
+            nbytes, flops = common.floor_terms(spec, ids, 2)
             floor_us = max(nbytes / (ceil["read_tbps"] * 1e6), flops / (ceil["bf16_tflops"] * 1e6))
 
             def row(impl_name: str, us: float, config: str, row_note: str) -> None:
@@ -508,7 +508,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.ours:
                 out = torch.empty_like(x)
                 us = timer.graph_us(lambda: fused_experts(x, w, ids, weights, spec, workspace=ws, out=out))
-                row("atom_moe", us, bench._cfg_str(lookup(dev, "a16w4", H, I, E, k, T)),
+                row("atom_moe", us, common.cfg_str(lookup(dev, "a16w4", H, I, E, k, T)),
                     "same inputs as the triton_kernels row; swiglu_oai")
         weights = tk = ws = None  # free this shape's weights before the next one is built
         torch.cuda.empty_cache()

@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from atom_moe import accuracy
-from atom_moe.cli import main
-from atom_moe.hf_config import load_model
+from atom_moe.tools import accuracy
+from atom_moe.tools.cli import main
+from atom_moe.checkpoint.config import load_model
 from atom_moe.spec import Scheme
-from atom_moe.synthetic import random_layer, random_tokens
+from atom_moe.tools.synthetic import random_layer, random_tokens
 
 SMALL = ["--hidden", "64", "--intermediate", "64", "--experts", "8"]
 CPU = torch.device("cpu")

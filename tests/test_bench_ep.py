@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and no
 def test_stages_in_order_equal_the_forward(mode, seed):
     """dispatch, routing, gemm1, gemm2, combine run in order give every rank's forward output bit for bit,
     and running them again (as the timed graph replays do) gives it again."""
-    from atom_moe.bench_ep import STAGES, stage_steps
+    from atom_moe.tools.bench_ep import STAGES, stage_steps
     from atom_moe.ep.simulate import SimulatedSymmGroup
 
     world = 2

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from atom_moe import breakdown
-from atom_moe.breakdown import KernelTerms, kernel_terms
+from atom_moe.tools import breakdown, common
+from atom_moe.tools.breakdown import KernelTerms, kernel_terms
 
 # A tiny layer: H=256, I=192 (not a multiple of 128: partial fp8 blocks), T=3 tokens,
 # top_k=2 (6 pairs), 4 distinct experts hit. Every number below is worked out by hand.
@@ -88,7 +88,7 @@ def test_floor_is_the_larger_term():
 
 
 def test_compiled_info_and_occupancy_degrade_to_none():
-    info = breakdown.compiled_info(None)
+    info = common.compiled_info(None)
     assert info == {"n_regs": None, "n_spills": None, "shared_bytes": None, "num_warps": None}
     assert breakdown.ctas_per_sm(info) is None
     # 128 regs x 4 warps = 16384 regs per CTA -> 4 per SM; 64 KB smem (+1 KB) -> 3 per SM
@@ -127,7 +127,7 @@ class CallTimer:
 
 
 def _tiny_layer(scheme: str):
-    from atom_moe.bench import random_weights
+    from atom_moe.tools.common import random_weights
     from atom_moe.experts import allocate_workspace
     from atom_moe.spec import MoESpec
     device = _device()
@@ -187,6 +187,6 @@ def test_measure_rows_separate_combine_and_split_sort(monkeypatch):
 
 
 def test_breakdown_help_runs_without_a_gpu():
-    proc = subprocess.run([sys.executable, "-m", "atom_moe.cli", "breakdown", "--help"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "atom_moe.tools.cli", "breakdown", "--help"], capture_output=True,
                           text=True)
     assert proc.returncode == 0 and "--routing" in proc.stdout and "--ceilings" in proc.stdout

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from atom_moe import demo
-from atom_moe.cli import main
+from atom_moe.tools import demo
+from atom_moe.tools.cli import main
 
 
 def test_demo_table_bf16_error_small(capsys):
@@ -43,7 +43,7 @@ def test_demo_reports_unavailable_paths_with_reason(capsys):
 
 
 def test_cli_entry_point_runs_as_module():
-    proc = subprocess.run([sys.executable, "-m", "atom_moe.cli", "demo", "--help"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "atom_moe.tools.cli", "demo", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "--model" in proc.stdout
 
 

@@ -12,7 +12,7 @@ import torch
 from atom_moe.ep import MegaMoE, buffer_sizes
 from atom_moe.reference import ReferenceWeights, reference_moe
 from atom_moe.spec import MoESpec
-from atom_moe.synthetic import random_layer, random_tokens
+from atom_moe.tools.synthetic import random_layer, random_tokens
 from atom_moe.weights import prepare_stacked
 
 from test_ep_multiproc import assert_all_passed, run_ranks

@@ -8,7 +8,7 @@ import torch
 from atom_moe.ep import MegaMoE, MegaMoEError
 from atom_moe.reference import ReferenceWeights, reference_moe
 from atom_moe.spec import MoESpec
-from atom_moe.synthetic import random_layer, random_tokens
+from atom_moe.tools.synthetic import random_layer, random_tokens
 from atom_moe.weights import WeightError, prepare_stacked
 
 H, I, E, K, C = 160, 64, 8, 3, 12

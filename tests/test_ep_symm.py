@@ -16,7 +16,7 @@ from atom_moe.ep.buffers import buffer_plan
 from atom_moe.ep.symm import FUSED, SPLIT
 from atom_moe.reference import ReferenceWeights
 from atom_moe.spec import MoESpec
-from atom_moe.synthetic import random_layer, random_tokens
+from atom_moe.tools.synthetic import random_layer, random_tokens
 from atom_moe.weights import prepare_stacked
 from ep_worker import C, E, H, I, K, make_case, make_layer, placement, reference
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from atom_moe import gsm8k
-from atom_moe.gsm8k_metrics import exact_match, flexible_extract, normalize, strict_match
+from atom_moe.tools import gsm8k
+from atom_moe.tools.gsm8k_metrics import exact_match, flexible_extract, normalize, strict_match
 
 DATA = Path(__file__).parent / "data"
 FIXTURE = DATA / "gsm8k_fixture.jsonl"
@@ -354,10 +354,10 @@ def test_huggingface_source(monkeypatch, make_server, capsys):
 
 
 def test_fits_the_cli(monkeypatch, make_server, capsys):
-    from atom_moe import cli
+    from atom_moe.tools import cli
 
     # the lead wires the subcommand in cli.SUBCOMMANDS; this checks the module fits that contract
-    monkeypatch.setitem(cli.SUBCOMMANDS, "gsm8k", ("atom_moe.gsm8k", "GSM8K accuracy of a live server"))
+    monkeypatch.setitem(cli.SUBCOMMANDS, "gsm8k", ("atom_moe.tools.gsm8k", "GSM8K accuracy of a live server"))
     server = make_server()
     assert cli.main(["gsm8k", "--base-url", server.url, "--data", str(FIXTURE), "--limit", "3"]) == 0
     assert "flexible-extract" in capsys.readouterr().out and len(server.requests) == 3

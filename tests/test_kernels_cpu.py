@@ -16,7 +16,7 @@ from atom_moe.experts import allocate_workspace, fused_experts  # noqa: E402
 from atom_moe.experts_torch import experts_torch, local_ids  # noqa: E402
 from atom_moe.kernels import routing  # noqa: E402
 from atom_moe.kernels.tuning import TileConfig, heuristic  # noqa: E402
-from atom_moe.layout import LayoutError, separate  # noqa: E402
+from atom_moe.layouts.gate_up import LayoutError, separate  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Triton 3.6's interpreter converts 1-element arrays to ints, which numpy 2.x deprecates.
@@ -168,7 +168,7 @@ def test_routing_sent_rows(seed, monkeypatch, split):
 def test_fused_experts_split_routing(seed, monkeypatch, scheme, mode, local):
     # the whole layer through the two-launch sort: same bits as the one-launch sort (row order
     # inside an expert changes no result bit), and vs the torch twin / fp32 oracle
-    from atom_moe.breakdown import record_launches
+    from atom_moe.tools.breakdown import record_launches
     H, I, E, k, T = 160, 96, 8, 3, 41
     spec, p = make_layer(H, I, E, k, scheme, local_experts=local, device=DEVICE)
     w, ids = make_routing(T, E, k, mode=mode, device=DEVICE)
@@ -188,7 +188,7 @@ def test_fused_experts_split_routing(seed, monkeypatch, scheme, mode, local):
 
 def _launches(spec, p, T: int, **kwargs) -> list:
     """The kernel launches of one layer call on T random tokens (uniform routing over 4 experts, top-2)."""
-    from atom_moe.breakdown import record_launches
+    from atom_moe.tools.breakdown import record_launches
     w, ids = make_routing(T, 4, 2, device=DEVICE)
     x = torch.randn(T, spec.hidden_size, device=DEVICE).to(torch.bfloat16)
     return record_launches(lambda: fused_experts(x, w, ids, p, spec, **kwargs))
@@ -328,7 +328,7 @@ def test_combine_is_a_fixed_order_sum(seed):
 def test_separate_combine_is_a_fixed_order_sum(seed, scheme, x_dtype, local):
     # combine="separate": GEMM2 writes weighted rows in out's dtype, a fourth launch sums the
     # local slots in order 0..k-1; tokens with no local slot (sentinels, non-local experts) get 0
-    from atom_moe.breakdown import record_launches
+    from atom_moe.tools.breakdown import record_launches
     from atom_moe.kernels.gemm2 import separate_partial
     H, I, E, k, T = 160, 96, 5, 3, 17
     spec, p = make_layer(H, I, E, k, scheme, local_experts=local, device=DEVICE)
@@ -421,7 +421,7 @@ def test_mxfp4_decoders_bit_exact(seed, block_n):
     # every byte value (all 16 x 16 code pairs), every e8m0 byte (0 = 2^-127 subnormal ... 254,
     # and 0xFF = NaN, both scale paths), N and K not multiples of the tile block (padding), and
     # partial tiles.
-    from atom_moe import mx_tiles
+    from atom_moe.layouts import mx_tiles
     from atom_moe.kernels import mxfp4
     E, N, K = 2, 37, 288
     packed = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8)
@@ -445,7 +445,7 @@ def test_bench_floor_counts_mxfp4_bytes():
     # atom-moe bench's floor: 0.5 byte per weight + 1/32 byte of e8m0 scale (vs 2 for bf16)
     import argparse
 
-    from atom_moe import bench
+    from atom_moe.tools import bench, common
     from atom_moe.spec import MoESpec
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
@@ -455,7 +455,7 @@ def test_bench_floor_counts_mxfp4_bytes():
     got = {}
     for scheme in ("bf16", "a16w4", "a8w4"):
         spec = MoESpec(hidden_size=H, intermediate_size=I, num_experts=4, top_k=2, scheme=scheme)
-        got[scheme] = bench.floor_terms(spec, ids, 2)
+        got[scheme] = common.floor_terms(spec, ids, 2)
     act = 3 * H * (2 + 2)
     assert got["bf16"] == (3 * 3 * H * I * 2 + act, 2.0 * 6 * 3 * H * I)
     assert got["a16w4"] == got["a8w4"] == (3 * 3 * H * I * 17 // 32 + act, got["bf16"][1])

@@ -131,7 +131,7 @@ def test_int64_offsets_mxfp4(seed, scheme):
     # bytes are built directly (quantizing 9 GB of bf16 would dominate the test); with H and I
     # multiples of 64 there is no padding, so every byte is a real code or scale.
     from atom_moe.experts_torch import experts_torch
-    from atom_moe.layout import GateUpKind, GateUpLayout, GateUpTensor
+    from atom_moe.layouts.gate_up import GateUpKind, GateUpLayout, GateUpTensor
     from atom_moe.spec import MoESpec
     from atom_moe.weights import PreparedWeights
     _, fused_experts = _fused()
@@ -183,7 +183,7 @@ def test_int64_partial_rows(seed, combine):
 def test_large_t_launches_graph_replay_and_no_sync(seed, scheme):
     # T*k above both thresholds: the split routing sort (2 launches) and the separate combine,
     # captured once and replayed with new routing (incl. every token on one expert), no host sync
-    from atom_moe.breakdown import record_launches
+    from atom_moe.tools.breakdown import record_launches
     from atom_moe.experts_torch import experts_torch
     from atom_moe.kernels import gemm2, routing
     allocate_workspace, fused_experts = _fused()
@@ -220,12 +220,12 @@ def test_large_t_launches_graph_replay_and_no_sync(seed, scheme):
 
 @pytest.mark.parametrize("block_n1", [128, 256])
 def test_a8w4_flushed_blocks(seed, block_n1):
-    # a8w4 with flushed blocks (mx_flush, atom_moe/mx_quads.py) at gpt-oss dims through both GEMM1
+    # a8w4 with flushed blocks (mx_flush, atom_moe/layouts/mx_quads.py) at gpt-oss dims through both GEMM1
     # widths: the compiled decode's flush select zeroes exactly what the twin zeroes, and the same
     # weights with the switch off miss the twin.
     import dataclasses
     import warnings
-    from atom_moe import mx_quads
+    from atom_moe.layouts import mx_quads
     from atom_moe.experts_torch import experts_torch
     from atom_moe.kernels.tuning import TileConfig
     from atom_moe.spec import MoESpec

@@ -10,7 +10,7 @@ import torch
 
 from atom_moe import formats as F
 from atom_moe.experts_torch import experts_torch
-from atom_moe.layout import (GateUpKind, GateUpLayout, GateUpTensor, LayoutError, interleave, require, separate,
+from atom_moe.layouts.gate_up import (GateUpKind, GateUpLayout, GateUpTensor, LayoutError, interleave, require, separate,
                              split_gate_up)
 from atom_moe.reference import ReferenceWeights, reference_moe
 from atom_moe.spec import MoESpec

@@ -1,4 +1,4 @@
-"""MX quads (atom_moe.mx_quads, a8w4's MXFP4 layout): round trips, the documented word plan, row
+"""MX quads (atom_moe.layouts.mx_quads, a8w4's MXFP4 layout): round trips, the documented word plan, row
 exponents and flushing, the kernels' decoder (bit-exact), MX quads in PreparedWeights, GEMM guards."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import warnings
 import pytest
 import torch
 
-from atom_moe import experts_torch as et, formats as F, mx_quads, mx_tiles
-from atom_moe.layout import GateUpKind, GateUpLayout, GateUpTensor, LayoutError
+from atom_moe import experts_torch as et, formats as F
+from atom_moe.layouts import mx_quads, mx_tiles
+from atom_moe.layouts.gate_up import GateUpKind, GateUpLayout, GateUpTensor, LayoutError
 from atom_moe.spec import MoESpec, Scheme
 from atom_moe.weights import WeightError, plain_mxfp4, prepare_mxfp4_local, prepare_stacked
 

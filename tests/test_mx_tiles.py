@@ -1,4 +1,4 @@
-"""MX tiles (atom_moe.mx_tiles): round trips, padding, the documented bit layout, and MX tiles in PreparedWeights."""
+"""MX tiles (atom_moe.layouts.mx_tiles): round trips, padding, the documented bit layout, and MX tiles in PreparedWeights."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import math
 import pytest
 import torch
 
-from atom_moe import bench, experts_torch as et, formats as F, mx_tiles
-from atom_moe.layout import GateUpKind, GateUpLayout, GateUpTensor, LayoutError, interleave, require, separate, \
+from atom_moe.tools import common
+from atom_moe import experts_torch as et, formats as F
+from atom_moe.layouts import mx_tiles
+from atom_moe.layouts.gate_up import GateUpKind, GateUpLayout, GateUpTensor, LayoutError, interleave, require, separate, \
     split_gate_up
 from atom_moe.reference import ReferenceWeights
 from atom_moe.spec import MoESpec, Scheme
@@ -30,7 +32,7 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def inter(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """Rows g0, u0, g1, u1, ... along dim -2 (independent of atom_moe.layout)."""
+    """Rows g0, u0, g1, u1, ... along dim -2 (independent of atom_moe.layouts.gate_up)."""
     return torch.stack((gate, up), dim=-2).flatten(-3, -2)
 
 
@@ -356,7 +358,7 @@ def test_experts_torch_untiles_one_expert_at_a_time(seed, monkeypatch):
 
 def test_bench_random_weights_are_mx_tiles(seed):
     spec = MoESpec.create(hidden_size=96, intermediate_size=64, num_experts=5, top_k=2, scheme="a16w4")
-    p = bench.random_weights(spec, device="cpu")
+    p = common.random_weights(spec, device="cpu")
     assert isinstance(p, PreparedWeights)
     p.check(spec)
     assert p.w13.kind is TILES and p.w13_scale.kind is TILES

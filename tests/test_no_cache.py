@@ -15,7 +15,7 @@ import torch
 
 from atom_moe.experts_torch import experts_torch
 from atom_moe.spec import MoESpec
-from atom_moe.synthetic import random_layer, random_tokens
+from atom_moe.tools.synthetic import random_layer, random_tokens
 from atom_moe.weights import prepare_stacked
 
 NUM_LAYERS = 4

@@ -9,15 +9,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from atom_moe.cli import main
+from atom_moe.tools.cli import main
 from atom_moe.ep import BufferLimitError, MegaMoE, check_limits
-from atom_moe.hf_config import ModelLayer, load_model, spec_from_config
+from atom_moe.checkpoint.config import ModelLayer, load_model, spec_from_config
 from atom_moe.presets import PRESET_MOE_LAYERS
-from atom_moe.plan import GiB, PlanError, make_plan
+from atom_moe.tools.plan import GiB, PlanError, make_plan
 from atom_moe.weights import prepared_nbytes
 from atom_moe.presets import PRESETS
 from atom_moe.spec import MoESpec, Scheme, SpecError
-from atom_moe.synthetic import random_layer
+from atom_moe.tools.synthetic import random_layer
 from atom_moe.weights import prepare_stacked
 
 FP8_Q = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}

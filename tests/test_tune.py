@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from atom_moe import tune
-from atom_moe.cli import main
+from atom_moe.tools import tune
+from atom_moe.tools.cli import main
 from atom_moe.kernels import tuning
 from atom_moe.kernels.tuning import TileConfig
 from atom_moe.spec import MoESpec, Scheme

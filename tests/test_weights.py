@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from atom_moe import formats as F
-from atom_moe.layout import GateUpKind, GateUpLayout, LayoutError
+from atom_moe.layouts.gate_up import GateUpKind, GateUpLayout, LayoutError
 from atom_moe.presets import preset, scaled_down
 from atom_moe.reference import ReferenceWeights
 from atom_moe.spec import MoESpec, Scheme
-from atom_moe.weights import (PreparedWeights, WeightError, plain_mxfp4, prepare_gpt_oss, prepare_hf_experts,
-                              prepare_stacked)
+from atom_moe.checkpoint import prepare_gpt_oss, prepare_hf_experts
+from atom_moe.weights import PreparedWeights, WeightError, plain_mxfp4, prepare_stacked
 
 INT = GateUpLayout.INTERLEAVED
 PREFIX = "model.layers.3.mlp.experts"

@@ -37,7 +37,7 @@ from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4Config  # n
 from vllm.plugins import load_general_plugins  # noqa: E402
 
 from atom_moe import formats  # noqa: E402
-from atom_moe.layout import GateUpKind, GateUpLayout  # noqa: E402
+from atom_moe.layouts.gate_up import GateUpKind, GateUpLayout  # noqa: E402
 from atom_moe.reference import ReferenceWeights, reference_moe  # noqa: E402
 from atom_moe.spec import Activation, ActivationKind, MoESpec, Scheme  # noqa: E402
 

@@ -8,14 +8,17 @@ forward untouched, after one warning per reason.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from ...weights import PreparedWeights
 from ..common import FLAG_FUSED, Flags, Mode, warn_once
-from . import log
 from .weights import LayerPlan, build_weights, plan_layer
+
+# the package's logger, by name: the package imports this module, so importing it back would be a cycle
+log = logging.getLogger("sglang.atom_moe")
 
 _flags: Flags | None = None
 _shared: dict = {}  # per process: one MegaMoE op / experts workspace per layer shape, built at load

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ...experts import choose_backend
-from ...layout import GateUpLayout
+from ...layouts.gate_up import GateUpLayout
 from ...spec import Activation, ActivationKind, MoESpec, Scheme, SpecError
 from ...weights import PreparedWeights, prepare_stacked
 from ..common import (Flags, LimitError, Mode, check_start_limits, fused_transport, layer_spec,

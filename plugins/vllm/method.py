@@ -17,6 +17,7 @@ without Inductor (vLLM calls `quant_method.apply` in both).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -31,12 +32,14 @@ from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
 from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4Config, GptOssMxfp4MoEMethod
 
 from ...experts import choose_backend
-from ...layout import GateUpLayout
+from ...layouts.gate_up import GateUpLayout
 from ...spec import Activation, ActivationKind, MoESpec, Scheme, SpecError
 from ...weights import PreparedWeights, prepare_stacked
 from ..common import (FLAG_FUSED, Flags, LimitError, Mode, check_start_limits, fused_transport, layer_spec,
                       local_experts_from_map, tokens_per_rank, warn_once)
-from . import log
+
+# the package's logger, by name: the package imports this module, so importing it back would be a cycle
+log = logging.getLogger("vllm.atom_moe")
 
 # vLLM parameters each scheme's weights arrive in (w13, w2, w13 scale, w2 scale).
 _PARAMS = {

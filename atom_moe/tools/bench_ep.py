@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from . import bench
+from . import common
 
 CSV_COLUMNS = ("device", "shape", "scheme", "ep", "T", "routing", "impl", "dispatch_us", "routing_us", "gemm1_us",
                "gemm2_us", "combine_us", "sum_of_stages_us", "forward_us", "floor_us", "frac_of_floor", "config")
@@ -41,8 +41,8 @@ def stage_steps(group, weights: list, xs: list[torch.Tensor], topk_weights: list
     Calls the experts step once per rank, recording its Triton launches, so the receive
     buffers must hold this call's dispatch (the dispatch stage runs first, here).
     """
-    from .breakdown import record_launches
-    from .experts import fused_experts
+    from .common import record_launches
+    from ..experts import fused_experts
 
     trs = group.transports
 
@@ -84,17 +84,17 @@ def stage_steps(group, weights: list, xs: list[torch.Tensor], topk_weights: list
 
 def run(args: argparse.Namespace) -> list[dict]:
     """Time the simulated EP forward stage by stage (and the local path); write the CSV; return the rows."""
-    from .ep.simulate import SimulatedSymmGroup
-    from .ep.symm import FUSED, SPLIT
-    from .experts import allocate_workspace, device_name, fused_experts
-    from .kernels.tuning import lookup
-    from .spec import MoESpec
+    from ..ep.simulate import SimulatedSymmGroup
+    from ..ep.symm import FUSED, SPLIT
+    from ..experts import allocate_workspace, device_name, fused_experts
+    from ..kernels.tuning import lookup
+    from ..spec import MoESpec
 
     if not torch.cuda.is_available():
         raise SystemExit("atom-moe bench --ep needs a CUDA GPU")
     W = args.ep
-    timer = bench.Timer(args.iters)
-    ceil = bench.measure_ceilings(timer)
+    timer = common.Timer(args.iters)
+    ceil = common.measure_ceilings(timer)
     dev = device_name(torch.device("cuda"))
     print(f"device {dev}: HBM read {ceil['read_tbps']:.2f} TB/s, bf16 {ceil['bf16_tflops']:.0f}, "
           f"fp8 {ceil['fp8_tflops']:.0f} TFLOP/s; {W} simulated ranks", flush=True)
@@ -103,20 +103,20 @@ def run(args: argparse.Namespace) -> list[dict]:
     rows: list[dict] = []
     t0 = time.monotonic()
     for name in args.shapes:
-        H, I, E, k = bench.SHAPES[name]
+        H, I, E, k = common.SHAPES[name]
         for scheme in args.schemes:
             full = MoESpec(hidden_size=H, intermediate_size=I, num_experts=E, top_k=k, scheme=scheme)
             specs = [full.for_rank(r, W) for r in range(W)]
-            weights = [bench.random_weights(s) for s in specs]
+            weights = [common.random_weights(s) for s in specs]
             rate = ceil["fp8_tflops" if scheme in ("fp8", "a8w4") else "bf16_tflops"]
             wire = "fp8" if full.scheme.fp8_activations else "bf16"
             for T in args.tokens:
-                routed = [bench.make_routing(T, E, k, args.routing, gen) for _ in range(W)]
+                routed = [common.make_routing(T, E, k, args.routing, gen) for _ in range(W)]
                 xs = [torch.randn(T, H, device="cuda", dtype=torch.bfloat16) for _ in range(W)]
                 ws, ids = [r[0] for r in routed], [r[1] for r in routed]
                 outs = [torch.empty_like(x) for x in xs]
                 all_ids = torch.cat(ids)
-                nbytes, flops = bench.floor_terms(full, all_ids, 2)
+                nbytes, flops = common.floor_terms(full, all_ids, 2)
                 floor_us = max(nbytes / (ceil["read_tbps"] * 1e6), flops / (rate * 1e6))
                 cfg = lookup(dev, scheme, H, I, E // W, k, T)
                 group = SimulatedSymmGroup(specs, T, wire, "cuda")
@@ -127,11 +127,11 @@ def run(args: argparse.Namespace) -> list[dict]:
                                                if s == "gemm2" else None) for s in STAGES}
                     forward = timer.graph_us(lambda: group.forward(weights, xs, ws, ids, outs, [mode] * W, cfg))
                     rows.append(_row(dev, name, scheme, W, T, args.routing, f"symm-sim {label}", times, forward,
-                                     floor_us, bench._cfg_str(cfg)))
+                                     floor_us, common.cfg_str(cfg)))
                 del group
                 # the local path over the same tokens: EP 1, every expert, W*T tokens
                 x_all = torch.cat(xs)
-                local_w = bench.random_weights(full)
+                local_w = common.random_weights(full)
                 lws = allocate_workspace(full, W * T, "cuda")
                 out_all = torch.empty_like(x_all)
                 lcfg = lookup(dev, scheme, H, I, E, k, W * T)
@@ -139,14 +139,14 @@ def run(args: argparse.Namespace) -> list[dict]:
                 us = timer.graph_us(lambda: fused_experts(x_all, w_all, all_ids, local_w, full, workspace=lws,
                                                           config=lcfg, out=out_all))
                 rows.append(_row(dev, name, scheme, 1, W * T, args.routing, "local", {}, us, floor_us,
-                                 bench._cfg_str(lcfg)))
+                                 common.cfg_str(lcfg)))
                 del local_w, lws
                 for r in rows[-3:]:
                     print(" ".join(f"{c}={r[c]}" for c in CSV_COLUMNS[1:-1]), f"[{time.monotonic() - t0:.0f}s]",
                           flush=True)
             del weights
             torch.cuda.empty_cache()
-    bench._write_csv(args.csv, rows, CSV_COLUMNS)
+    common.write_csv(args.csv, rows, CSV_COLUMNS)
     return rows
 
 

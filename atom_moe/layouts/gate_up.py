@@ -9,10 +9,10 @@ SEPARATED [E, 2*nb, kb] (all gate blocks, then all up blocks, nb = ceil(I/128)) 
 INTERLEAVED [E, nb, 2, kb] (gate block j, up block j, ...), so output pair j of the
 interleaved weight reads scale [e, j // 128, 0 or 1, kb] even when I % 128 != 0.
 
-MX_TILES (atom_moe.mx_tiles) holds MXFP4 values or scales repacked into the kernels' tiles
+MX_TILES (atom_moe.layouts.mx_tiles) holds MXFP4 values or scales repacked into the kernels' tiles
 [E, N/16, K/64, 512 or 32]; the rows of w13 are tiled in INTERLEAVED order, so the tag is
 INTERLEAVED. Rows are no longer a dimension there: interleave, separate and split_gate_up
-refuse it (untile first with atom_moe.weights.plain_mxfp4). MX_QUADS (atom_moe.mx_quads) is
+refuse it (untile first with atom_moe.weights.plain_mxfp4). MX_QUADS (atom_moe.layouts.mx_quads) is
 a8w4's variant, same shapes, another word order and per-row residual scales; the same rules hold.
 
 A kernel never accepts a raw tensor: it accepts a GateUpTensor and calls
@@ -40,8 +40,8 @@ class GateUpLayout(str, enum.Enum):
 class GateUpKind(str, enum.Enum):
     ROWS = "rows"  # one row per output feature: weights, MXFP4 scales, biases
     BLOCK_SCALE = "block_scale"  # fp8 128x128 block scales
-    MX_TILES = "mx_tiles"  # MXFP4 values / e8m0 scales in atom_moe.mx_tiles' layout [E, N/16, K/64, bytes]
-    MX_QUADS = "mx_quads"  # a8w4: MXFP4 values / residual scales in atom_moe.mx_quads' layout, same shapes
+    MX_TILES = "mx_tiles"  # MXFP4 values / e8m0 scales in atom_moe.layouts.mx_tiles' layout [E, N/16, K/64, bytes]
+    MX_QUADS = "mx_quads"  # a8w4: MXFP4 values / residual scales in atom_moe.layouts.mx_quads' layout, same shapes
 
     @property
     def tiled(self) -> bool:
@@ -133,7 +133,7 @@ def require(t: object, layout: GateUpLayout, what: str = "w13") -> torch.Tensor:
     if t.layout is not layout:
         raise LayoutError(
             f"{what}: tagged {t.layout.value}, but this kernel needs {layout.value}; "
-            f"convert with atom_moe.layout.{'interleave' if layout is GateUpLayout.INTERLEAVED else 'separate'}()"
+            f"convert with atom_moe.layouts.gate_up.{'interleave' if layout is GateUpLayout.INTERLEAVED else 'separate'}()"
         )
     return t.data
 

@@ -16,8 +16,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .presets import PRESET_MOE_LAYERS, PRESETS, preset
-from .spec import Activation, ActivationKind, MoESpec, Routing, Scheme, Scoring, SpecError
+from ..presets import PRESET_MOE_LAYERS, PRESETS, preset
+from ..spec import Activation, ActivationKind, MoESpec, Routing, Scheme, Scoring, SpecError
 
 # MoE decoder layers per preset (num_hidden_layers minus dense layers, from the same configs)
 

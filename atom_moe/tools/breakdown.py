@@ -4,11 +4,11 @@ The layer is three Triton launches: routing metadata (kernels/routing.py), GEMM1
 +fp8 quant; kernels/gemm1.py) and GEMM2 (+weighted combine; kernels/gemm2.py); at large T
 the routing sort takes a second launch ("routing.sort") and the combine its own ("combine",
 `--combine` forces either combine). Per
-(shape, scheme, T) this builds the bench's synthetic layer (bench.random_weights,
-bench.make_routing), calls fused_experts once (tile config from kernels.tuning.lookup,
+(shape, scheme, T) this builds the bench's synthetic layer (common.random_weights,
+common.make_routing), calls fused_experts once (tile config from kernels.tuning.lookup,
 exactly as the layer resolves it) with every Triton launch recorded (kernel, grid,
 arguments, compiled kernel), then captures each recorded launch alone in a CUDA graph and
-times it with bench.Timer (L2 flushed before every replay, median of --iters), and the
+times it with common.Timer (L2 flushed before every replay, median of --iters), and the
 whole layer the same way. Per kernel it reports us, the bytes it must move and its flops
 (`kernel_terms`), its own floor max(bytes / HBM read ceiling, flops / matmul rate), the
 fraction of that floor, programs launched / doing work vs the SM count, and Triton's
@@ -27,15 +27,13 @@ from typing import Any, Callable
 
 import torch
 
-from . import bench
-from .spec import Scheme
+from . import common
+from .common import Launch, compiled_info, record_launches
+from ..spec import Scheme
 
 DEFAULT_SHAPES = ("deepseek-v3", "gpt-oss-120b")
 DEFAULT_SCHEMES = ("bf16", "fp8", "a16w4", "a8w4")
 DEFAULT_TOKENS = (1, 128, 2048, 8192)
-# Triton kernel name -> stage name used in kernel_terms and the tables
-STAGES = {"_routing_kernel": "routing", "_gemm1_kernel": "gemm1", "_gemm2_kernel": "gemm2",
-          "_combine_kernel": "combine"}
 CSV_COLUMNS = ("device", "shape", "scheme", "T", "routing", "kernel", "us", "floor_us", "frac_of_floor", "bound",
                "tbps", "tflops", "bytes", "flops", "programs", "active_programs", "sms", "ctas_per_sm_est",
                "waves_est", "n_regs", "n_spills", "shared_bytes", "num_warps", "config", "note")
@@ -47,7 +45,7 @@ SM_REGS, SM_SHARED, SM_THREADS, SM_CTAS = 65536, 233472, 2048, 32
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the breakdown's options to `parser`."""
-    parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), choices=list(bench.SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), choices=list(common.SHAPES))
     parser.add_argument("--schemes", nargs="+", default=list(DEFAULT_SCHEMES), choices=list(DEFAULT_SCHEMES))
     parser.add_argument("--tokens", nargs="+", type=int, default=list(DEFAULT_TOKENS))
     parser.add_argument("--routing", default="uniform", choices=["uniform", "skewed"],
@@ -111,7 +109,7 @@ def kernel_terms(scheme: str, H: int, I: int, T: int, top_k: int, n_hit: int, *,
     split_sort (the routing sort over two launches, kernels/routing.py): `routing.sort`, the
         second launch, reads topk_ids again and writes the sorted pair list (moved there
         from `routing`).
-    The sum over kernels exceeds bench.floor_terms (the layer's compulsory I/O) by the
+    The sum over kernels exceeds common.floor_terms (the layer's compulsory I/O) by the
     intermediate round trips (activation, partials) and the routing launch's own traffic.
     """
     pairs = T * top_k
@@ -166,84 +164,6 @@ def floor_us(nbytes: float, flops: float, read_tbps: float, tflops: float) -> fl
     return max(nbytes / (read_tbps * 1e6), flops / (tflops * 1e6))
 
 
-# ---------------------------------------------------------------- launch recording
-@dataclass
-class Launch:
-    """One recorded Triton launch: kernel, grid, arguments and (compiled mode) the CompiledKernel."""
-
-    fn: Any  # triton JITFunction (InterpretedFunction under TRITON_INTERPRET=1)
-    grid: tuple
-    args: tuple
-    kwargs: dict
-    compiled: Any = None
-    name: str = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.name = getattr(self.fn, "__name__", type(self.fn).__name__)
-
-    @property
-    def stage(self) -> str:
-        """'routing', 'gemm1', 'gemm2', or the kernel's own name."""
-        return STAGES.get(self.name, self.name)
-
-    @property
-    def programs(self) -> int:
-        """Programs launched (product of the grid)."""
-        return math.prod(int(g) for g in self.grid)
-
-    def __call__(self) -> None:
-        """Launch it again with the same grid and arguments."""
-        self.fn[self.grid](*self.args, **self.kwargs)
-
-
-def record_launches(fn: Callable[[], Any]) -> list[Launch]:
-    """Call fn() once and return every Triton launch it made, in order.
-
-    Wraps KernelInterface.__getitem__ (the `kernel[grid]` of every @triton.jit function)
-    for the duration of the call, so the launches are the layer's own, whatever its
-    wrappers compute; no kernel code is touched.
-    """
-    from triton.runtime.jit import KernelInterface
-    launches: list[Launch] = []
-    original = KernelInterface.__getitem__
-
-    def getitem(self, grid):
-        launch = original(self, grid)
-
-        def recorded(*args, **kwargs):
-            compiled = launch(*args, **kwargs)  # JITFunction.run returns the CompiledKernel
-            launches.append(Launch(self, tuple(grid) if isinstance(grid, (tuple, list)) else (grid,),
-                                   args, kwargs, compiled))
-            return compiled
-        return recorded
-
-    KernelInterface.__getitem__ = getitem
-    try:
-        fn()
-    finally:
-        KernelInterface.__getitem__ = original
-    if not launches:
-        raise RuntimeError("no Triton launch was recorded: this triton's kernel[grid] does not go through "
-                           "KernelInterface.__getitem__ (written for triton 3.6)")
-    return launches
-
-
-def compiled_info(compiled: Any) -> dict[str, int | None]:
-    """n_regs, n_spills, shared_bytes, num_warps of a CompiledKernel; None where unavailable."""
-    info: dict[str, int | None] = {"n_regs": None, "n_spills": None, "shared_bytes": None, "num_warps": None}
-    if compiled is None:
-        return info
-    try:  # triton 3.6: set when the binary is loaded, i.e. by the launch that returned it
-        info["n_regs"] = getattr(compiled, "n_regs", None)
-        info["n_spills"] = getattr(compiled, "n_spills", None)
-        meta = getattr(compiled, "metadata", None)
-        info["shared_bytes"] = getattr(meta, "shared", None)
-        info["num_warps"] = getattr(meta, "num_warps", None)
-    except Exception:  # other Triton versions or backends: report n/a, never fail the run
-        pass
-    return info
-
-
 def ctas_per_sm(info: dict[str, int | None], props: Any = None) -> int | None:
     """Resident programs per SM allowed by registers, shared memory and threads (estimate; None if unknown)."""
     regs, warps, shared = info.get("n_regs"), info.get("num_warps"), info.get("shared_bytes")
@@ -280,8 +200,8 @@ def run(args: argparse.Namespace) -> int:
 
 def measure(args: argparse.Namespace) -> list[dict]:
     """Run the breakdown described by args; write the CSV and markdown; return the rows."""
-    from .experts import allocate_workspace, device_name
-    from .spec import MoESpec
+    from ..experts import allocate_workspace, device_name
+    from ..spec import MoESpec
     if not torch.cuda.is_available():
         raise SystemExit("atom-moe breakdown needs a CUDA GPU")
     t0 = time.monotonic()
@@ -289,8 +209,8 @@ def measure(args: argparse.Namespace) -> list[dict]:
     def stamp() -> str:
         return f"[{time.monotonic() - t0:6.1f} s]"
 
-    timer = bench.Timer(args.iters)
-    ceil = bench.ceilings(timer, args.ceilings)
+    timer = common.Timer(args.iters)
+    ceil = common.ceilings(timer, args.ceilings)
     dev = device_name(torch.device("cuda"))
     props = torch.cuda.get_device_properties(0)
     sms = props.multi_processor_count
@@ -301,14 +221,14 @@ def measure(args: argparse.Namespace) -> list[dict]:
     gen = torch.Generator(device="cuda")
     gen.manual_seed(0)
     for name in args.shapes:
-        H, I, E, k = bench.SHAPES[name]
+        H, I, E, k = common.SHAPES[name]
         for scheme in args.schemes:
             spec = MoESpec(hidden_size=H, intermediate_size=I, num_experts=E, top_k=k, scheme=scheme)
-            weights = bench.random_weights(spec)
+            weights = common.random_weights(spec)
             ws = allocate_workspace(spec, max(args.tokens), "cuda")
             print(f"{stamp()} {name} {scheme}: weights built", flush=True)
             for T in args.tokens:
-                w, ids = bench.make_routing(T, E, k, args.routing, gen)
+                w, ids = common.make_routing(T, E, k, args.routing, gen)
                 x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
                 for r in measure_rows(timer, spec, weights, ws, x, w, ids, ceil, sms=sms, props=props,
                                       labels=dict(device=dev, shape=name, routing=args.routing),
@@ -317,7 +237,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
                     _print_row(r, stamp())
             del weights, ws
             torch.cuda.empty_cache()
-    bench._write_csv(args.csv, rows, CSV_COLUMNS)
+    common.write_csv(args.csv, rows, CSV_COLUMNS)
     table = markdown(rows)
     md_path = args.csv.with_suffix(".md")
     md_path.write_text(f"# atom-moe breakdown, {dev}, routing {args.routing} "
@@ -330,8 +250,8 @@ def measure_rows(timer: Any, spec: Any, weights: Any, ws: Any, x: torch.Tensor, 
                  ceil: dict[str, float], *, sms: int, props: Any = None, labels: dict | None = None,
                  combine: str = "auto") -> list[dict]:
     """One row per launch of fused_experts(x, w, ids) plus a 'layer' row; timer.graph_us(fn, prepare) times each."""
-    from .experts import device_name, fused_experts
-    from .kernels.tuning import lookup
+    from ..experts import device_name, fused_experts
+    from ..kernels.tuning import lookup
     H, I, k, E = spec.hidden_size, spec.intermediate_size, spec.top_k, spec.num_local_experts
     scheme, T = spec.scheme.value, x.shape[0]
     rate = ceil["fp8_tflops" if scheme in ("fp8", "a8w4") else "bf16_tflops"]  # the issue's floor rate
@@ -342,7 +262,7 @@ def measure_rows(timer: Any, spec: Any, weights: Any, ws: Any, x: torch.Tensor, 
     def layer() -> None:
         fused_experts(x, w, ids, weights, spec, workspace=ws, out=out, combine=None if combine == "auto" else combine)
 
-    base = dict(labels or {}, scheme=scheme, T=T, sms=sms, config=bench._cfg_str(cfg))
+    base = dict(labels or {}, scheme=scheme, T=T, sms=sms, config=common.cfg_str(cfg))
 
     def reset() -> None:
         # Untimed, before each replay: a lone GEMM2 needs the combine counters the routing
@@ -378,7 +298,7 @@ def measure_rows(timer: Any, spec: Any, weights: Any, ws: Any, x: torch.Tensor, 
         note += "; the last lone replay did not rebuild the layer's output (its time is suspect)"
     if stages != ["routing", "gemm1", "gemm2"]:
         note += f"; launches {stages}"
-    nbytes, flops = bench.floor_terms(spec, ids, x.element_size())
+    nbytes, flops = common.floor_terms(spec, ids, x.element_size())
     rows.append(dict(base, kernel="layer", us=round(layer_us, 2), programs=sum(r["programs"] for r in rows),
                      note=note, **_floor_columns(nbytes, flops, layer_us, ceil["read_tbps"], rate)))
     return rows
@@ -424,7 +344,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Standalone entry point (python -m atom_moe.breakdown)."""
+    """Standalone entry point (python -m atom_moe.tools.breakdown)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)
     measure(parser.parse_args(argv))

@@ -17,7 +17,7 @@ Per table key (device, scheme, H, I, E local, top_k) and token bucket:
 Rows are appended to the CSV (kernels/configs format plus `heuristic_us`, `source`) as
 each key finishes, so a stopped run resumes; keys already in the file are skipped
 unless --retune. The timing source is a parameter: on the GPU, CUDA-graph replays with
-L2 flushed, median (atom_moe.bench.Timer); `--timer wall` (host clock) only for smoke
+L2 flushed, median (atom_moe.tools.common.Timer); `--timer wall` (host clock) only for smoke
 runs under the CPU interpreter, where times mean nothing.
 """
 
@@ -36,8 +36,8 @@ from pathlib import Path
 
 import torch
 
-from .hf_config import load_model
-from .spec import MoESpec, Scheme, SpecError
+from ..checkpoint.config import load_model
+from ..spec import MoESpec, Scheme, SpecError
 
 FALLBACK_SLOWDOWN = 1.03  # a pick more than 3% slower than the heuristic falls back to it
 EXTRA_COLUMNS = ("heuristic_us", "source")  # the kernels' reader ignores columns it does not know
@@ -50,7 +50,7 @@ class TuneError(ValueError):
 
 
 def _tuning():
-    from .kernels import tuning  # lazy: the kernels package is optional
+    from ..kernels import tuning  # lazy: the kernels package is optional
     return tuning
 
 
@@ -164,10 +164,10 @@ class LayerData:
     @staticmethod
     def build(spec: MoESpec, ep: int, device: torch.device, seed: int) -> "LayerData":
         """Random bf16 weights for rank 0's experts only (EP 8 builds 1/8 of the layer), prepared for the scheme."""
-        from .reference import ReferenceWeights
-        from .spec import Routing
+        from ..reference import ReferenceWeights
+        from ..spec import Routing
         from .synthetic import random_layer
-        from .weights import prepare_stacked
+        from ..weights import prepare_stacked
         gen = torch.Generator().manual_seed(seed)
         rank_spec = spec.for_rank(0, ep)
         local = rank_spec.num_local_experts
@@ -188,7 +188,7 @@ class OpBench:
 
     def __init__(self, layer: LayerData, ep: int, tokens: int, device: torch.device, timer: Timer, seed: int,
                  tol: float) -> None:
-        from .reference import reference_moe
+        from ..reference import reference_moe
         from .synthetic import random_tokens
         self.timer, self.tol, self.ep, self.device = timer, tol, ep, device
         gen = torch.Generator().manual_seed(seed + tokens)
@@ -205,13 +205,13 @@ class OpBench:
 
     def _build_call(self) -> Callable[[object], torch.Tensor]:
         if self.ep == 1:  # the real op: MegaMoE forward, local transport, fused experts
-            from .ep import MegaMoE
+            from ..ep import MegaMoE
             self.op = MegaMoE(self.spec, max_tokens_per_rank=self.x.shape[0], transport="local",
                               experts_backend="triton", device=self.device)
             self.op.bind(self.weights)
             return lambda cfg: self._op_forward(cfg)
         # EP > 1: the op's experts step as MegaMoE._experts calls it (workspace and output for N rows)
-        from .experts import allocate_workspace, fused_experts
+        from ..experts import allocate_workspace, fused_experts
         ws = allocate_workspace(self.spec, self.x.shape[0], self.device)
         out = torch.empty_like(self.x)
         return lambda cfg: fused_experts(self.x, self.w, self.ids, self.weights, self.spec, workspace=ws, out=out,
@@ -369,8 +369,8 @@ def wall_timer(iters: int = 3) -> Timer:
 
 
 def cuda_graph_timer(iters: int = 20) -> Timer:
-    """CUDA-graph replays with L2 flushed before each, median (atom_moe.bench.Timer)."""
-    from .bench import Timer as BenchTimer
+    """CUDA-graph replays with L2 flushed before each, median (atom_moe.tools.common.Timer)."""
+    from .common import Timer as BenchTimer
     return BenchTimer(iters).graph_us
 
 
@@ -394,7 +394,7 @@ def run_tuning(spec: MoESpec, *, schemes: list[Scheme], ep: int, tokens: list[in
                device: torch.device, families: list[str] | None = None, space: str = "tied", retune: bool = False,
                seed: int = 0, tol: float = 2e-2, bench_factory=None, log=print) -> list[Result]:
     """Tune every (scheme, bucket) not yet in `out`; append each row as it finishes; return the results."""
-    from .experts import SUPPORTED, device_name
+    from ..experts import SUPPORTED, device_name
     chosen = families or list(FAMILIES)
     unknown = [f for f in chosen if f not in FAMILIES]
     if unknown:
@@ -514,7 +514,7 @@ def run(args: argparse.Namespace) -> int:
         layer = load_model(args.model)
         spec = layer.spec
         if args.hidden or args.intermediate or args.experts:
-            from .presets import scaled_down
+            from ..presets import scaled_down
             spec = scaled_down(spec, hidden_size=args.hidden or spec.hidden_size,
                                intermediate_size=args.intermediate or spec.intermediate_size,
                                num_experts=args.experts or spec.num_experts)
@@ -525,7 +525,7 @@ def run(args: argparse.Namespace) -> int:
         results = run_tuning(spec, schemes=schemes, ep=args.ep, tokens=args.tokens, out=args.out, timer=timer,
                              device=device, families=families, space=args.space, retune=args.retune,
                              seed=args.seed, tol=args.tol)
-        from .experts import device_name
+        from ..experts import device_name
         keys = {k for k, _, _ in plan_keys(spec, schemes, args.ep, args.tokens, device_name(device))}
         earlier = table_rows(args.out, {k for k in keys if k not in {r.key for r in results}})
     except (TuneError, SpecError) as exc:

@@ -8,13 +8,13 @@ import sys
 
 # subcommand -> module exposing add_arguments(parser) and run(args) -> int
 SUBCOMMANDS = {
-    "demo": ("atom_moe.demo", "run a preset layer against the fp32 reference and print a table"),
-    "bench": ("atom_moe.bench", "time the experts step against the measured roofline of this GPU"),
-    "breakdown": ("atom_moe.breakdown", "time each launch of the experts step (routing, GEMM1, GEMM2) vs its floor"),
-    "gsm8k": ("atom_moe.gsm8k", "GSM8K accuracy of a live OpenAI-compatible server (vLLM, SGLang)"),
-    "plan": ("atom_moe.plan", "largest safe token budget, memory per rank and engine flags for a MoE model"),
-    "accuracy": ("atom_moe.accuracy", "layer-level relative error of MegaMoE against the fp32 reference"),
-    "tune": ("atom_moe.tune", "tune the kernels' tile configs inside the MegaMoE op; write the CSV table"),
+    "demo": ("atom_moe.tools.demo", "run a preset layer against the fp32 reference and print a table"),
+    "bench": ("atom_moe.tools.bench", "time the experts step against the measured roofline of this GPU"),
+    "breakdown": ("atom_moe.tools.breakdown", "time each launch of the experts step (routing, GEMM1, GEMM2) vs its floor"),
+    "gsm8k": ("atom_moe.tools.gsm8k", "GSM8K accuracy of a live OpenAI-compatible server (vLLM, SGLang)"),
+    "plan": ("atom_moe.tools.plan", "largest safe token budget, memory per rank and engine flags for a MoE model"),
+    "accuracy": ("atom_moe.tools.accuracy", "layer-level relative error of MegaMoE against the fp32 reference"),
+    "tune": ("atom_moe.tools.tune", "tune the kernels' tile configs inside the MegaMoE op; write the CSV table"),
 }
 
 

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .presets import PRESETS, preset, scaled_down
-from .reference import ReferenceWeights, reference_moe
-from .spec import MoESpec, Scheme
+from ..presets import PRESETS, preset, scaled_down
+from ..reference import ReferenceWeights, reference_moe
+from ..spec import MoESpec, Scheme
 from .synthetic import random_layer, random_tokens
-from .weights import PreparedWeights, prepare_stacked
+from ..weights import PreparedWeights, prepare_stacked
 
 Path = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PreparedWeights, MoESpec], torch.Tensor]
 
@@ -36,13 +36,13 @@ class PathChoice:
 
 def available_paths(device: torch.device) -> list[PathChoice]:
     """Every experts path, best first; unavailable ones carry the reason."""
-    from .experts_torch import experts_torch
+    from ..experts_torch import experts_torch
 
     paths = []
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     if device.type == "cuda" or interpreting:
         try:
-            from .experts import SUPPORTED, fused_experts
+            from ..experts import SUPPORTED, fused_experts
 
             note = "Triton interpreter (CPU)" if device.type == "cpu" else "Triton kernels"
             paths.append(PathChoice("triton", fused_experts, note, SUPPORTED))

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .routing import route
-from .spec import MoESpec
+from ..routing import route
+from ..spec import MoESpec
 
 
 @dataclass

@@ -32,12 +32,12 @@ from pathlib import Path
 
 import torch
 
-from .hf_config import load_model
-from .presets import scaled_down
-from .reference import ReferenceWeights, reference_moe
-from .spec import MoESpec, Scheme, SpecError
+from ..checkpoint.config import load_model
+from ..presets import scaled_down
+from ..reference import ReferenceWeights, reference_moe
+from ..spec import MoESpec, Scheme, SpecError
 from .synthetic import random_layer, random_tokens
-from .weights import PreparedWeights, prepare_stacked
+from ..weights import PreparedWeights, prepare_stacked
 
 # experts backends of the op, and the symm transport's two combine modes over --ep simulated ranks
 PATHS = ("triton", "torch", "symm-fused", "symm-split")
@@ -74,7 +74,7 @@ def path_problem(path: str, scheme: Scheme, device: torch.device) -> str | None:
         status = triton_status(device)
         if status:
             return status
-        from .experts import SUPPORTED
+        from ..experts import SUPPORTED
         if scheme not in SUPPORTED:
             return f"{scheme.value} not implemented by the fused (triton) path yet"
     return None
@@ -82,8 +82,8 @@ def path_problem(path: str, scheme: Scheme, device: torch.device) -> str | None:
 
 def _symm_forward(path: str, spec: MoESpec, inputs: Inputs, raw, ep: int, device: torch.device) -> torch.Tensor:
     """The tokens split over `ep` simulated symm ranks (contiguous chunks), outputs back in order."""
-    from .ep.simulate import SimulatedSymmGroup
-    from .ep.symm import FUSED, SPLIT
+    from ..ep.simulate import SimulatedSymmGroup
+    from ..ep.symm import FUSED, SPLIT
     chunks = torch.arange(inputs.x.shape[0], device=device).tensor_split(ep)
     specs = [spec.for_rank(r, ep) for r in range(ep)]
     wire = "fp8" if spec.scheme.fp8_activations else "bf16"  # the fp8 wire feeds fp8 activations as they are
@@ -150,15 +150,15 @@ def run_path(path: str, spec: MoESpec, inputs: Inputs, raw, ep: int, device: tor
     if path.startswith("symm"):
         return _symm_forward(path, spec, inputs, raw, ep, device)
     if ep == 1:
-        from .ep import MegaMoE
+        from ..ep import MegaMoE
         weights = _prepare(spec, raw, device)
         with MegaMoE(spec, max_tokens_per_rank=max(x.shape[0], 1), transport="local", experts_backend=path,
                      device=device) as op:
             return op(x, w, ids, weights).float()
     if path == "triton":
-        from .experts import fused_experts as step
+        from ..experts import fused_experts as step
     else:
-        from .experts_torch import experts_torch as step
+        from ..experts_torch import experts_torch as step
     total = torch.zeros(x.shape[0], spec.hidden_size, dtype=torch.float32, device=device)
     for r in range(ep):
         rank_spec = spec.for_rank(r, ep)

@@ -2,7 +2,7 @@
 
 Hopper's fp8 mma takes each thread's A fragment as k-quads (4 consecutive k per 32-bit
 register), where the bf16 one takes k-pairs; so a8w4 has its own word order, next to
-a16w4's MX tiles (atom_moe/mx_tiles.py). Built once at weight preparation, from plain
+a16w4's MX tiles (atom_moe/layouts/mx_tiles.py). Built once at weight preparation, from plain
 MXFP4 (e2m1 uint8 [..., N, K/2], LOW nibble = even k; e8m0 [..., N, K/32]):
 
 - N is padded to 16 and K to 64, as in MX tiles; values: uint8 [..., N/16, K/64, 512], one

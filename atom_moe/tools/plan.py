@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .ep.buffers import INT32_MAX, INT64_INDEXED, WIRES, BufferLimitError, buffer_plan, buffer_sizes, check_limits, largest_true
-from .hf_config import ModelLayer, load_model
-from .spec import MoESpec, SpecError
-from .weights import prepared_nbytes
+from ..ep.buffers import INT32_MAX, INT64_INDEXED, WIRES, BufferLimitError, buffer_plan, buffer_sizes, check_limits, largest_true
+from ..checkpoint.config import ModelLayer, load_model
+from ..spec import MoESpec, SpecError
+from ..weights import prepared_nbytes
 
 GiB = 2**30
 SEARCH_CAP = 2**20  # tokens per rank: a budget search stops here (no engine step is this large)
@@ -38,7 +38,7 @@ def experts_backend_for(spec: MoESpec, requested: str = "auto") -> str:
     """The experts backend the op picks on a GPU for 'auto': triton where the fused kernels take the scheme."""
     if requested != "auto":
         return requested
-    from .experts import SUPPORTED  # no Triton import: the kernels load lazily
+    from ..experts import SUPPORTED  # no Triton import: the kernels load lazily
     return "triton" if spec.scheme in SUPPORTED else "torch"
 
 
@@ -122,10 +122,10 @@ def make_plan(layer: ModelLayer, *, ep: int, dp: int | None = None, tp: int = 1,
     if backend not in ("triton", "torch"):
         raise PlanError(f"--experts-backend {experts_backend!r}; allowed: auto, triton, torch")
     if transport is None:  # what MegaMoE's transport="auto" picks on the deployment's CUDA GPUs
-        from .ep import auto_transport
+        from ..ep import auto_transport
         transport = auto_transport(ep, "cuda", backend, wire, spec)
     if backend == "triton":
-        from .experts import SUPPORTED
+        from ..experts import SUPPORTED
         if spec.scheme not in SUPPORTED:
             raise PlanError(f"--experts-backend triton: the fused kernels do not take scheme {spec.scheme.value} "
                             f"yet (they take {', '.join(s.value for s in SUPPORTED)}); use auto or torch")
