@@ -53,6 +53,8 @@ class Scheme(str, enum.Enum):
 
 
 class ActivationKind(str, enum.Enum):
+    """The gated activation's formula."""
+
     SWIGLU = "swiglu"  # silu(gate) * up
     SWIGLU_OAI = "swiglu_oai"  # gpt-oss: clamp, gate * sigmoid(alpha * gate) * (up + 1)
 
@@ -78,6 +80,8 @@ class Activation:
 
 
 class Scoring(str, enum.Enum):
+    """How router logits become scores: softmax over experts, or a sigmoid each."""
+
     SOFTMAX = "softmax"
     SIGMOID = "sigmoid"
 

@@ -13,13 +13,11 @@ import socket
 
 import torch
 
-from atom_moe import formats
+from engine_common import INTER, SCHEMES, activation_of, assert_matches, hf_checkpoint  # noqa: F401 (the cases use them as c.*)
 from atom_moe.reference import ReferenceWeights, reference_moe
-from atom_moe.spec import Activation, ActivationKind, Scheme
+from atom_moe.spec import Scheme
 
 E, K, H = 8, 2, 256
-INTER = {"bf16": 192, "fp8": 256, "mxfp4": 192}  # MXFP4 needs multiples of 32; fp8 blocks of 128
-SCHEMES = ("bf16", "fp8", "mxfp4")
 SCALE = {"bf16": 1.0, "fp8": 2.5, "mxfp4": 1.0}  # DeepSeek-style routed_scaling_factor on the fp8 layer
 _ids = itertools.count()
 
@@ -90,34 +88,8 @@ def build(scheme: str, **overrides):
 
 
 def checkpoint(scheme: str, gen: torch.Generator) -> tuple[dict, ReferenceWeights]:
-    """Random checkpoint tensors in the scheme's HF naming, and their fp32 reference weights."""
-    def randn(*shape, std):
-        return torch.randn(*shape, generator=gen) * std
-
-    I = INTER[scheme]
-    gate, up, down = randn(E, I, H, std=H**-0.5), randn(E, I, H, std=H**-0.5), randn(E, H, I, std=I**-0.5)
-    if scheme == "mxfp4":  # gpt-oss: one tensor per projection, gate/up rows interleaved, biases
-        w13 = torch.stack((gate, up), dim=2).reshape(E, 2 * I, H)  # rows g0, u0, g1, u1, ...
-        q13, s13 = formats.quantize_mxfp4(w13)
-        q2, s2 = formats.quantize_mxfp4(down)
-        b13, b2 = randn(E, 2 * I, std=0.05).bfloat16(), randn(E, H, std=0.05).bfloat16()
-        tensors = {"gate_up_proj_blocks": q13.view(E, 2 * I, H // 32, 16), "gate_up_proj_scales": s13,
-                   "gate_up_proj_bias": b13, "down_proj_blocks": q2.view(E, H, I // 32, 16),
-                   "down_proj_scales": s2, "down_proj_bias": b2}
-        full13 = formats.dequantize_mxfp4(q13, s13)
-        return tensors, ReferenceWeights(full13[:, 0::2], full13[:, 1::2], formats.dequantize_mxfp4(q2, s2),
-                                         tuple(range(E)), b13[:, 0::2].float(), b13[:, 1::2].float(), b2.float())
-    tensors, g, u, d = {}, [], [], []
-    for e in range(E):
-        for name, w, out in (("gate_proj", gate[e], g), ("up_proj", up[e], u), ("down_proj", down[e], d)):
-            if scheme == "fp8":
-                q, s = formats.quantize_fp8_block(w, 128)
-                tensors[f"experts.{e}.{name}.weight"], tensors[f"experts.{e}.{name}.weight_scale_inv"] = q, s
-                out.append(formats.dequantize_fp8_block(q, s, 128))
-            else:
-                tensors[f"experts.{e}.{name}.weight"] = w.bfloat16()
-                out.append(w.bfloat16().float())
-    return tensors, ReferenceWeights(torch.stack(g), torch.stack(u), torch.stack(d), tuple(range(E)))
+    """Random checkpoint tensors in the scheme's HF naming (keys under `experts.`), and their reference."""
+    return hf_checkpoint(scheme, gen, E, H, key_prefix="experts.")
 
 
 def load(layer, scheme: str, tensors: dict) -> int:
@@ -170,24 +142,8 @@ def topk_output(w: torch.Tensor, ids: torch.Tensor, logits: torch.Tensor):
     return StandardTopKOutput(topk_weights=w, topk_ids=ids, router_logits=logits)
 
 
-def activation_of(scheme: str) -> Activation:
-    return Activation(ActivationKind.SWIGLU_OAI, 1.702, 7.0) if scheme == "mxfp4" else Activation()
-
-
 def expected(scheme: str, x, w, ids, ref: ReferenceWeights, experts=None) -> torch.Tensor:
     """SGLang's semantics: routed_scaling_factor times the weighted expert sum."""
     out = reference_moe(x, w, ids.long(), ref, activation_of(scheme), experts=experts,
                         act_quant=Scheme.FP8 if scheme == "fp8" else None)
     return out * SCALE[scheme]
-
-
-def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
-    """Every element within bf16-level error of the fp32 reference (scaled by the output's magnitude)."""
-    assert out.shape == ref.shape, (out.shape, ref.shape)
-    assert torch.isfinite(out).all()
-    scale = ref.abs().max().item()
-    assert scale > 0
-    err = (out.float() - ref).abs()
-    bound = 2e-2 * scale + 2e-2 * ref.abs()
-    bad = (err > bound).sum().item()
-    assert bad == 0, f"{bad} of {err.numel()} elements off; max error {err.max().item():.4g}, scale {scale:.4g}"

@@ -46,32 +46,17 @@ def start(dp: bool) -> None:
 
 def check_limit() -> None:
     """Building a layer whose buffers pass int32 fails with the largest safe --chunked-prefill-size."""
-    import re
-
-    from atom_moe.ep.buffers import BufferLimitError, check_limits
-    from atom_moe.plugins.common import LimitError
     from atom_moe.spec import MoESpec
+    from engine_common import check_limit_error
 
     # the Triton experts' workspace passes int32 there: combine counters [T*H/32] int32 and GEMM2's
     # input [T*k, I] (the fp32 partials are int64-indexed and exempt, see ep/buffers.INT64_INDEXED)
     c.start_runtime(rank, world, port, chunked=2**22)
     os.environ["TRITON_INTERPRET"] = "1"
     layer = c.build(scheme, hidden_size=7168)
-    try:
-        c.process(layer)
-    except LimitError as exc:
-        msg = str(exc)
-    else:
-        raise AssertionError("a layer whose buffers pass int32 was built")
-    assert "--chunked-prefill-size=4194304" in msg, msg
-    safe = int(re.search(r"largest safe --chunked-prefill-size is (\d+)", msg).group(1))
     spec = MoESpec(hidden_size=7168, intermediate_size=c.INTER[scheme], num_experts=c.E, top_k=c.K)
-    check_limits(spec, 1, safe, transport="local", experts_backend="triton")  # the named value fits ...
-    try:
-        check_limits(spec, 1, safe + 1, transport="local", experts_backend="triton")  # ... and is the largest
-    except BufferLimitError:
-        return
-    raise AssertionError(f"{safe} is not the largest safe value")
+    check_limit_error(lambda: c.process(layer), "--chunked-prefill-size", 4194304, spec, 1, transport="local",
+                      experts_backend="triton")
 
 
 def main() -> None:

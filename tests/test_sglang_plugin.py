@@ -10,38 +10,19 @@ weight loaders and distributed init; this test passes only if every case there p
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-from pathlib import Path
 
 import pytest
+from engine_common import engine_env_python, run_engine_suite
 
-REPO = Path(__file__).resolve().parents[1]
 VERSION = os.environ.get("ATOM_MOE_SGLANG_VERSION", "0.5.23")
 
 
 def sglang_python() -> str:
     """Build (once, cached) and return the interpreter of the SGLang env."""
-    proc = subprocess.run(["bash", str(REPO / "scripts" / "sglang_env.sh"), VERSION], capture_output=True, text=True,
-                          timeout=3600)
-    assert proc.returncode == 0, f"sglang_env.sh {VERSION} failed:\n{proc.stderr[-4000:]}"
-    return proc.stdout.strip().splitlines()[-1]
+    return engine_env_python("sglang_env.sh", VERSION)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_sglang_plugin_cases(seed):
-    python = sglang_python()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ATOM_USE_FLYDSL", "ATOM_FLYDSL"))}
-    env.update(ATOM_USE_FLYDSL="1", ATOM_MOE_SEED=str(seed))
-    env.pop("TRITON_INTERPRET", None)  # the CPU path is experts_torch; the limit case sets it itself
-    # -P: keep the checkout root off sys.path, so only the installed entry point is found
-    proc = subprocess.run([python, "-P", "-m", "pytest", "tests/sglang_cases.py", "-q", "-p", "no:cacheprovider",
-                           "-o", "addopts=", "-rfEs"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=3300)
-    out = proc.stdout + proc.stderr
-    print(out[-6000:])
-    assert proc.returncode == 0, f"SGLang cases failed:\n{out[-12000:]}"
-    summary = re.search(r"(\d+) passed", out)
-    assert summary and int(summary.group(1)) >= 22, out[-3000:]
-    assert not re.search(r"\d+ (failed|skipped|error|deselected)", out), out[-3000:]
+    run_engine_suite(sglang_python(), "sglang_cases.py", "SGLang", 22, ATOM_MOE_SEED=str(seed))

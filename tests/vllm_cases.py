@@ -36,17 +36,15 @@ from vllm.model_executor.layers.quantization.fp8 import Fp8Config, Fp8MoEMethod 
 from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4Config  # noqa: E402
 from vllm.plugins import load_general_plugins  # noqa: E402
 
-from atom_moe import formats  # noqa: E402
+from engine_common import INTER, SCHEMES, activation_of, assert_matches, hf_checkpoint  # noqa: E402
 from atom_moe.layouts.gate_up import GateUpKind, GateUpLayout  # noqa: E402
 from atom_moe.reference import ReferenceWeights, reference_moe  # noqa: E402
-from atom_moe.spec import Activation, ActivationKind, MoESpec, Scheme  # noqa: E402
+from atom_moe.spec import MoESpec, Scheme  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 E, K, H = 8, 2, 256
-# intermediate size per scheme: vLLM refines fp8 block scales when I is not a multiple of 128
-# (a fallback case below); MXFP4 needs multiples of 32
-INTER = {"bf16": 192, "fp8": 256, "mxfp4": 192}
-SCHEMES = ("bf16", "fp8", "mxfp4")
+# intermediate size per scheme (engine_common.INTER): vLLM refines fp8 block scales when I is
+# not a multiple of 128 (a fallback case below); MXFP4 needs multiples of 32
 _names = itertools.count()
 
 
@@ -106,6 +104,11 @@ def _free_port() -> int:
 
 
 # ---------------------------------------------------------------- checkpoint-form layers
+def hf_tensors(scheme: str, gen: torch.Generator, num_experts: int = E) -> tuple[dict, ReferenceWeights]:
+    """Random checkpoint tensors in the HF naming of the scheme (keys as RoutedExperts loads them)."""
+    return hf_checkpoint(scheme, gen, num_experts, H)
+
+
 def build(scheme: str, cfg: VllmConfig, **overrides):
     """FusedMoEFactory(...) as the model would call it for this checkpoint (gpt-oss style for MXFP4)."""
     mx = scheme == "mxfp4"
@@ -116,39 +119,6 @@ def build(scheme: str, cfg: VllmConfig, **overrides):
     kwargs.update(overrides)
     with set_current_vllm_config(cfg):
         return FusedMoEFactory(**kwargs)
-
-
-def hf_tensors(scheme: str, gen: torch.Generator, num_experts: int = E) -> tuple[dict, ReferenceWeights]:
-    """Random checkpoint tensors in the HF naming of the scheme, and their fp32 reference weights."""
-    def randn(*shape, std):
-        return torch.randn(*shape, generator=gen) * std
-
-    I = INTER[scheme]
-    gate, up, down = randn(num_experts, I, H, std=H**-0.5), randn(num_experts, I, H, std=H**-0.5), \
-        randn(num_experts, H, I, std=I**-0.5)
-    if scheme == "mxfp4":  # gpt-oss: one tensor per projection, gate/up rows interleaved, biases
-        w13 = torch.stack((gate, up), dim=2).reshape(num_experts, 2 * I, H)  # rows g0, u0, g1, u1, ...
-        q13, s13 = formats.quantize_mxfp4(w13)
-        q2, s2 = formats.quantize_mxfp4(down)
-        b13, b2 = randn(num_experts, 2 * I, std=0.05).bfloat16(), randn(num_experts, H, std=0.05).bfloat16()
-        tensors = {"gate_up_proj_blocks": q13.view(num_experts, 2 * I, H // 32, 16), "gate_up_proj_scales": s13,
-                   "gate_up_proj_bias": b13, "down_proj_blocks": q2.view(num_experts, H, I // 32, 16),
-                   "down_proj_scales": s2, "down_proj_bias": b2}
-        full13 = formats.dequantize_mxfp4(q13, s13)
-        ref = ReferenceWeights(full13[:, 0::2], full13[:, 1::2], formats.dequantize_mxfp4(q2, s2),
-                               tuple(range(num_experts)), b13[:, 0::2].float(), b13[:, 1::2].float(), b2.float())
-        return tensors, ref
-    tensors, g, u, d = {}, [], [], []
-    for e in range(num_experts):
-        for name, w, out in (("gate_proj", gate[e], g), ("up_proj", up[e], u), ("down_proj", down[e], d)):
-            if scheme == "fp8":
-                q, s = formats.quantize_fp8_block(w, 128)
-                tensors[f"{e}.{name}.weight"], tensors[f"{e}.{name}.weight_scale_inv"] = q, s
-                out.append(formats.dequantize_fp8_block(q, s, 128))
-            else:
-                tensors[f"{e}.{name}.weight"] = w.bfloat16()
-                out.append(w.bfloat16().float())
-    return tensors, ReferenceWeights(torch.stack(g), torch.stack(u), torch.stack(d), tuple(range(num_experts)))
 
 
 def load(runner, scheme: str, tensors: dict, ep_range: tuple[int, int] | None = None) -> None:
@@ -182,26 +152,10 @@ def route(logits: torch.Tensor, k: int = K) -> tuple[torch.Tensor, torch.Tensor]
     return w / w.sum(-1, keepdim=True), ids
 
 
-def activation_of(scheme: str) -> Activation:
-    return Activation(ActivationKind.SWIGLU_OAI, 1.702, 7.0) if scheme == "mxfp4" else Activation()
-
-
 def expected(scheme: str, x, logits, ref: ReferenceWeights, experts=None) -> torch.Tensor:
     w, ids = route(logits)
     return reference_moe(x, w, ids, ref, activation_of(scheme), experts=experts,
                          act_quant=Scheme.FP8 if scheme == "fp8" else None)
-
-
-def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
-    """Every element within bf16-level error of the fp32 reference (scaled by the output's magnitude)."""
-    assert out.shape == ref.shape
-    assert torch.isfinite(out).all()
-    scale = ref.abs().max().item()
-    assert scale > 0
-    err = (out.float() - ref).abs()
-    bound = 2e-2 * scale + 2e-2 * ref.abs()
-    bad = (err > bound).sum().item()
-    assert bad == 0, f"{bad} of {err.numel()} elements off; max error {err.max().item():.4g}, scale {scale:.4g}"
 
 
 def forward(cfg, runner, x, logits):

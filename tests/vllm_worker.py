@@ -25,7 +25,6 @@ os.environ["ATOM_USE_FLYDSL_FUSED" if mode in ("dp_ep", "dp_ep_limit") else "ATO
 os.environ["VLLM_TARGET_DEVICE"] = "cpu"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import re  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -100,24 +99,11 @@ def main() -> None:
 
 def check_limit(cfg) -> None:
     """Construction fails with the largest safe --max-num-batched-tokens, which does fit."""
-    from atom_moe.ep.buffers import BufferLimitError, check_limits
-    from atom_moe.plugins.common import LimitError
+    from engine_common import check_limit_error
 
-    try:
-        cases.build(scheme, cfg, hidden_size=7168)
-    except LimitError as exc:
-        msg = str(exc)
-    else:
-        raise AssertionError("a layer whose buffers pass int32 was built")
-    assert "--max-num-batched-tokens=131072" in msg, msg
-    safe = int(re.search(r"largest safe --max-num-batched-tokens is (\d+)", msg).group(1))
     spec = cases.MoESpec(hidden_size=7168, intermediate_size=cases.INTER[scheme], num_experts=cases.E, top_k=cases.K)
-    check_limits(spec, world, safe, transport="torch")  # the named value fits ...
-    try:
-        check_limits(spec, world, safe + 1, transport="torch")  # ... and is the largest that does
-    except BufferLimitError:
-        return
-    raise AssertionError(f"{safe} is not the largest safe value")
+    check_limit_error(lambda: cases.build(scheme, cfg, hidden_size=7168), "--max-num-batched-tokens", 131072, spec,
+                      world, transport="torch")
 
 
 if __name__ == "__main__":

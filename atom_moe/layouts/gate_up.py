@@ -33,6 +33,8 @@ class LayoutError(TypeError):
 
 
 class GateUpLayout(str, enum.Enum):
+    """Row order of a w13 tensor: all gate rows then all up rows, or gate/up pairs interleaved."""
+
     SEPARATED = "separated"
     INTERLEAVED = "interleaved"
 

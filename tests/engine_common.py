@@ -1,0 +1,126 @@
+"""What the vLLM and SGLang plugin suites share: random checkpoint tensors with their fp32
+reference, the int32-limit check at layer build, and running an engine suite in its own
+cached environment.
+
+Imported from inside the engines' environments too (tests/ is on sys.path there), so it
+needs torch and atom_moe only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from atom_moe import formats
+from atom_moe.reference import ReferenceWeights
+from atom_moe.spec import Activation, ActivationKind
+
+REPO = Path(__file__).resolve().parents[1]
+INTER = {"bf16": 192, "fp8": 256, "mxfp4": 192}  # MXFP4 needs multiples of 32; fp8 blocks of 128
+SCHEMES = ("bf16", "fp8", "mxfp4")
+
+
+def hf_checkpoint(scheme: str, gen: torch.Generator, num_experts: int, hidden: int,
+                  key_prefix: str = "") -> tuple[dict, ReferenceWeights]:
+    """Random checkpoint tensors in the scheme's HF naming, and their fp32 reference weights.
+
+    bf16 / fp8: per-expert `{key_prefix}{e}.{gate,up,down}_proj.weight` (fp8 with 128x128
+    `weight_scale_inv`); mxfp4: gpt-oss's stacked blocks, scales and biases, gate/up
+    rows interleaved.
+    """
+    def randn(*shape, std):
+        return torch.randn(*shape, generator=gen) * std
+
+    E, H, I = num_experts, hidden, INTER[scheme]
+    gate, up, down = randn(E, I, H, std=H**-0.5), randn(E, I, H, std=H**-0.5), randn(E, H, I, std=I**-0.5)
+    if scheme == "mxfp4":
+        w13 = torch.stack((gate, up), dim=2).reshape(E, 2 * I, H)  # rows g0, u0, g1, u1, ...
+        q13, s13 = formats.quantize_mxfp4(w13)
+        q2, s2 = formats.quantize_mxfp4(down)
+        b13, b2 = randn(E, 2 * I, std=0.05).bfloat16(), randn(E, H, std=0.05).bfloat16()
+        tensors = {"gate_up_proj_blocks": q13.view(E, 2 * I, H // 32, 16), "gate_up_proj_scales": s13,
+                   "gate_up_proj_bias": b13, "down_proj_blocks": q2.view(E, H, I // 32, 16),
+                   "down_proj_scales": s2, "down_proj_bias": b2}
+        full13 = formats.dequantize_mxfp4(q13, s13)
+        return tensors, ReferenceWeights(full13[:, 0::2], full13[:, 1::2], formats.dequantize_mxfp4(q2, s2),
+                                         tuple(range(E)), b13[:, 0::2].float(), b13[:, 1::2].float(), b2.float())
+    tensors, g, u, d = {}, [], [], []
+    for e in range(E):
+        for name, w, out in (("gate_proj", gate[e], g), ("up_proj", up[e], u), ("down_proj", down[e], d)):
+            key = f"{key_prefix}{e}.{name}"
+            if scheme == "fp8":
+                q, s = formats.quantize_fp8_block(w, 128)
+                tensors[f"{key}.weight"], tensors[f"{key}.weight_scale_inv"] = q, s
+                out.append(formats.dequantize_fp8_block(q, s, 128))
+            else:
+                tensors[f"{key}.weight"] = w.bfloat16()
+                out.append(w.bfloat16().float())
+    return tensors, ReferenceWeights(torch.stack(g), torch.stack(u), torch.stack(d), tuple(range(E)))
+
+
+def activation_of(scheme: str) -> Activation:
+    """The layers' activation: gpt-oss's clamped SwiGLU for the MXFP4 (gpt-oss style) layer, else SiLU."""
+    return Activation(ActivationKind.SWIGLU_OAI, 1.702, 7.0) if scheme == "mxfp4" else Activation()
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Every element within bf16-level error of the fp32 reference (scaled by the output's magnitude)."""
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert torch.isfinite(out).all()
+    scale = ref.abs().max().item()
+    assert scale > 0
+    err = (out.float() - ref).abs()
+    bound = 2e-2 * scale + 2e-2 * ref.abs()
+    bad = (err > bound).sum().item()
+    assert bad == 0, f"{bad} of {err.numel()} elements off; max error {err.max().item():.4g}, scale {scale:.4g}"
+
+
+def check_limit_error(build: Callable[[], object], flag: str, too_large: int, spec, ep: int, **limits) -> None:
+    """build() must fail naming `flag`={too_large} and the largest safe value, which must fit, one more not."""
+    from atom_moe.ep.buffers import BufferLimitError, check_limits
+    from atom_moe.plugins.common import LimitError
+
+    try:
+        build()
+    except LimitError as exc:
+        msg = str(exc)
+    else:
+        raise AssertionError("a layer whose buffers pass int32 was built")
+    assert f"{flag}={too_large}" in msg, msg
+    safe = int(re.search(rf"largest safe {flag} is (\d+)", msg).group(1))
+    check_limits(spec, ep, safe, **limits)  # the named value fits ...
+    try:
+        check_limits(spec, ep, safe + 1, **limits)  # ... and is the largest that does
+    except BufferLimitError:
+        return
+    raise AssertionError(f"{safe} is not the largest safe value")
+
+
+def engine_env_python(script: str, *args: str) -> str:
+    """Build (once, cached) an engine environment with scripts/<script> and return its interpreter."""
+    proc = subprocess.run(["bash", str(REPO / "scripts" / script), *args], capture_output=True, text=True,
+                          timeout=3600)
+    assert proc.returncode == 0, f"{script} {' '.join(args)} failed:\n{proc.stderr[-4000:]}"
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def run_engine_suite(python: str, cases: str, label: str, min_passed: int, **env_vars: str) -> None:
+    """Run tests/<cases> under `python` with ATOM_USE_FLYDSL=1; every case must pass, none skipped."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ATOM_USE_FLYDSL", "ATOM_FLYDSL"))}
+    env.update(ATOM_USE_FLYDSL="1", **env_vars)
+    env.pop("TRITON_INTERPRET", None)  # the engines' CPU path is experts_torch; cases that need it set it
+    # -P: keep the checkout root off sys.path, so a stale in-tree *.egg-info cannot hide our entry point
+    proc = subprocess.run([python, "-P", "-m", "pytest", f"tests/{cases}", "-q", "-p", "no:cacheprovider",
+                           "-o", "addopts=", "-rfEs"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=3300)
+    out = proc.stdout + proc.stderr
+    print(out[-6000:])
+    assert proc.returncode == 0, f"{label} cases failed:\n{out[-12000:]}"
+    summary = re.search(r"(\d+) passed", out)
+    assert summary and int(summary.group(1)) >= min_passed, out[-3000:]
+    assert not re.search(r"\d+ (failed|skipped|error|deselected)", out), out[-3000:]
