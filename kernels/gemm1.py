@@ -29,8 +29,9 @@ import triton.language as tl
 from atom_moe.layouts.gate_up import GateUpKind, GateUpLayout, GateUpTensor, LayoutError, require
 from atom_moe.spec import A8W4_INTER_GROUP
 
-from .common import FP8_MAX, QGROUP, cast, dot, interpreting, tile_ids
-from .mxfp4 import launch_args, row_factor, rowexp_arg, scale_step, swap_step, tile_offsets
+from .common import FP8_MAX, QGROUP, cast, interpreting, tile_ids
+from .mainloop import k_loop
+from .mxfp4 import launch_args, row_factor, rowexp_arg, tile_offsets
 
 GROUP = 128  # host-side twin of common.QGROUP
 
@@ -59,6 +60,8 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, 
     else:
         a_ptrs = x_ptr + tok[:, None] * stride_x + kk[None, :]
     n64 = n.to(tl.int64)
+    # the pointers and offsets this scheme does not use are passed to the K loop unread
+    w_ptrs, ws_ptrs, as_ptrs, w_off, s_off, nb_ok, kb = w_ptr, ws_ptr, xs_ptr, 0, 0, False, 0
     if W4:  # MX tiles, or MX quads for a8w4 (kernels/mxfp4.py), advanced per K step
         w_off, s_off, nb_ok, kb = tile_offsets(e64, pid_n, row_blocks, k_blocks, BLOCK_N, BLOCK_K, FP8)
     else:
@@ -70,44 +73,8 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, 
             # output pair j = n // 2 uses scale [e, j // 128, n % 2, kb]
             ws_ptrs = ws_ptr + e64 * (tl.cdiv(inter, QGROUP) * 2 * k_groups) \
                 + (n // 2 // QGROUP) * (2 * k_groups) + (n % 2) * k_groups
-    if W4:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # out^T
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if W4 and FP8:  # activation scales one K step ahead: a plain load would stall every step
-        a_s_next = tl.load(as_ptrs, mask=row_ok, other=0.0)
-    for k0 in range(0, hidden, BLOCK_K):
-        k_ok = (k0 + kk) < hidden
-        if W4:
-            a = tl.load(a_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
-        else:
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if W4:
-            if FP8:
-                a_s = a_s_next
-                a_s_next = tl.load(as_ptrs + (k0 + BLOCK_K) // QGROUP, mask=row_ok & (k0 + BLOCK_K < hidden), other=0.0)
-                acc = swap_step(acc, a, a_s, w_ptr, ws_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks,
-                                BLOCK_N, BLOCK_M, BLOCK_K, FP8, BIG, INTERP)
-            else:
-                if x_ptr.dtype.element_ty != tl.bfloat16:
-                    a = cast(a.to(tl.float32), tl.bfloat16, INTERP)
-                acc = swap_step(acc, a, 0.0, w_ptr, ws_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks,
-                                BLOCK_N, BLOCK_M, BLOCK_K, FP8, BIG, INTERP)
-            w_off += (BLOCK_K // 64) * 128
-            s_off += scale_step(BLOCK_K, FP8)
-        else:
-            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if FP8:
-                kb8 = k0 // QGROUP
-                a_s = tl.load(as_ptrs + kb8, mask=row_ok, other=0.0)
-                w_s = tl.load(ws_ptrs + kb8, mask=n_ok, other=0.0)
-                acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
-            else:
-                if x_ptr.dtype.element_ty != tl.bfloat16:  # the bf16 scheme computes in bf16
-                    a = cast(a.to(tl.float32), tl.bfloat16, INTERP)
-                acc = dot(a, w, acc, INTERP)
-            w_ptrs += BLOCK_K
-        a_ptrs += BLOCK_K
+    acc = k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_ptrs, n_ok, w_off, s_off, nb_ok, kb, k_blocks,
+                 hidden, QGROUP, FP8, W4, BIG, BLOCK_M, BLOCK_N, BLOCK_K, INTERP)
     if W4:
         if FP8:  # MX quads: each row's 2^(base - 133)
             acc = acc * row_factor(rowexp_ptr, e64, n, n_ok, n_out)[:, None]

@@ -36,8 +36,9 @@ import triton.language as tl
 
 from atom_moe.spec import A8W4_INTER_GROUP
 
-from .common import QGROUP, cast, dot, interpreting, tile_ids
-from .mxfp4 import launch_args, row_factor, rowexp_arg, scale_step, swap_step, tile_offsets
+from .common import QGROUP, cast, interpreting, tile_ids
+from .mainloop import k_loop
+from .mxfp4 import launch_args, row_factor, rowexp_arg, tile_offsets
 
 GROUP = 128  # host-side twin of common.QGROUP
 # Pair count from which fused_experts combines in a separate launch: on an H200 the separate
@@ -90,6 +91,8 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr
     else:
         a_ptrs = a_ptr + rows64[:, None] * inter + kk[None, :]
     n64 = n.to(tl.int64)
+    # the pointers and offsets this scheme does not use are passed to the K loop unread
+    w_ptrs, ws_ptrs, as_ptrs, w_off, s_off, nb_ok, kb = w_ptr, ws_ptr, as_ptr, 0, 0, False, 0
     if W4:  # MX tiles, or MX quads for a8w4 (kernels/mxfp4.py), advanced per K step
         w_off, s_off, nb_ok, kb = tile_offsets(e64, pid_n, row_blocks, k_blocks, BLOCK_N, BLOCK_K, FP8)
     else:
@@ -109,40 +112,8 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr
         slot_ok = slot_ok & (gid >= 0) & (gid < num_experts)
         slot_ok = slot_ok & (tl.load(emap_ptr + gid, mask=slot_ok, other=-1) >= 0)
         needed = tl.sum(slot_ok.to(tl.int32), 1)
-    if W4:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # out^T
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if W4 and FP8:  # activation scales one K step ahead: a plain load would stall every step
-        a_s_next = tl.load(as_ptrs, mask=row_ok, other=0.0)
-    for k0 in range(0, inter, BLOCK_K):
-        k_ok = (k0 + kk) < inter
-        if W4:
-            a = tl.load(a_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
-        else:
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if W4:
-            if FP8:
-                a_s = a_s_next
-                a_s_next = tl.load(as_ptrs + (k0 + BLOCK_K) // IGROUP, mask=row_ok & (k0 + BLOCK_K < inter), other=0.0)
-                acc = swap_step(acc, a, a_s, w_ptr, ws_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks,
-                                BLOCK_N, BLOCK_M, BLOCK_K, FP8, BIG, INTERP)
-            else:
-                acc = swap_step(acc, a, 0.0, w_ptr, ws_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks,
-                                BLOCK_N, BLOCK_M, BLOCK_K, FP8, BIG, INTERP)
-            w_off += (BLOCK_K // 64) * 128
-            s_off += scale_step(BLOCK_K, FP8)
-        else:
-            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if FP8:
-                kb8 = k0 // QGROUP
-                a_s = tl.load(as_ptrs + kb8, mask=row_ok, other=0.0)
-                w_s = tl.load(ws_ptrs + kb8, mask=n_ok, other=0.0)
-                acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
-            else:
-                acc = dot(a, w, acc, INTERP)
-            w_ptrs += BLOCK_K
-        a_ptrs += BLOCK_K
+    acc = k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_ptrs, n_ok, w_off, s_off, nb_ok, kb, k_blocks,
+                 inter, IGROUP, FP8, W4, BIG, BLOCK_M, BLOCK_N, BLOCK_K, INTERP)
     if W4:
         if FP8:  # MX quads: each row's 2^(base - 133)
             acc = acc * row_factor(rowexp_ptr, e64, n, n_ok, hidden)[:, None]

@@ -1,0 +1,77 @@
+"""The K loop GEMM1 and GEMM2 share: one tile of a grouped GEMM over an expert's weight rows.
+
+Both GEMMs read activation rows through the sorted pair list and stream one expert's
+weights; they differ only in their prologues (which rows, which pointers) and epilogues
+(SwiGLU + quant, or routing weight + combine). The loop itself, for every scheme:
+
+- bf16: acc[M, N] += a @ w (a upcast to bf16 when it arrives wider);
+- fp8: the same in e4m3 with per-(token, 128-group) and per-128x128-block scales folded into
+  each step's product;
+- MXFP4 (a16w4, a8w4) "swapped": acc^T[N, M] += W @ a^T with W decoded in registers from MX
+  tiles / MX quads (kernels/mxfp4.py); a8w4's activation scales are loaded one K step ahead,
+  since a plain load would stall every step.
+
+A @triton.jit helper is inlined into its caller, so each GEMM compiles to the code it had
+with the loop written out (docs/kernels.md: the SASS was compared).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import QGROUP, cast, dot
+from .mxfp4 import scale_step, swap_step
+
+
+@triton.jit
+def k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_ptrs, n_ok, w_off, s_off, nb_ok, kb, k_blocks, K,
+           AGROUP: tl.constexpr, FP8: tl.constexpr, W4: tl.constexpr, BIG: tl.constexpr, BLOCK_M: tl.constexpr,
+           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERP: tl.constexpr):
+    """The fp32 accumulator of one tile over K: [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] (transposed) for W4.
+
+    a_ptrs: activation tile pointers ([BLOCK_M, BLOCK_K], or [BLOCK_K, BLOCK_M] for W4) at k = 0;
+    as_ptrs: each row's first activation scale (FP8), AGROUP columns per scale; w_ptrs / ws_ptrs:
+    bf16/fp8 weight tile and block-scale pointers; w_off, s_off, nb_ok, kb: the MX tile offsets
+    (W4, from mxfp4.tile_offsets). Pointers of the unused kind are never read.
+    """
+    kk = tl.arange(0, BLOCK_K)
+    if W4:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # out^T
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if W4 and FP8:  # activation scales one K step ahead: a plain load would stall every step
+        a_s_next = tl.load(as_ptrs, mask=row_ok, other=0.0)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + kk) < K
+        if W4:
+            a = tl.load(a_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if W4:
+            if FP8:
+                a_s = a_s_next
+                a_s_next = tl.load(as_ptrs + (k0 + BLOCK_K) // AGROUP, mask=row_ok & (k0 + BLOCK_K < K), other=0.0)
+                acc = swap_step(acc, a, a_s, w_ptr, ws_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks,
+                                BLOCK_N, BLOCK_M, BLOCK_K, FP8, BIG, INTERP)
+            else:
+                if a_ptrs.dtype.element_ty != tl.bfloat16:  # a16w4 dots in bf16
+                    a = cast(a.to(tl.float32), tl.bfloat16, INTERP)
+                acc = swap_step(acc, a, 0.0, w_ptr, ws_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks,
+                                BLOCK_N, BLOCK_M, BLOCK_K, FP8, BIG, INTERP)
+            w_off += (BLOCK_K // 64) * 128
+            s_off += scale_step(BLOCK_K, FP8)
+        else:
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if FP8:
+                kb8 = k0 // QGROUP
+                a_s = tl.load(as_ptrs + kb8, mask=row_ok, other=0.0)
+                w_s = tl.load(ws_ptrs + kb8, mask=n_ok, other=0.0)
+                acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+            else:
+                if a_ptrs.dtype.element_ty != tl.bfloat16:  # the bf16 scheme computes in bf16
+                    a = cast(a.to(tl.float32), tl.bfloat16, INTERP)
+                acc = dot(a, w, acc, INTERP)
+            w_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+    return acc
