@@ -98,3 +98,31 @@ def test_kernel_sass_refuses_the_interpreter():
     run = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel_sass.py"), "gemm1"], capture_output=True,
                          text=True, env=env, timeout=300)
     assert run.returncode != 0 and "without TRITON_INTERPRET=1" in run.stderr
+
+
+# ---------------------------------------------------------------- hip_compile
+def test_every_table_variant_builds_for_amd():
+    # every GEMM variant the tile tables or the heuristic can pick compiles to an hsaco for gfx942
+    # and gfx950 through Triton's HIP target (no GPU), with a8w4's portable e4m3 decode
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "hip_compile.py")], capture_output=True, text=True,
+                         env=env, timeout=1800)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    built = [line for line in run.stdout.splitlines() if ": hsaco " in line]
+    assert {line.split()[0] for line in built} == {"gfx942", "gfx950"}
+    assert {line.split()[2] for line in built} == {"bf16", "fp8", "a16w4", "a8w4"}
+    assert all(int(line.split()[-2]) > 0 for line in built)
+    assert "FAILED" not in run.stdout
+
+
+def test_hip_compile_reports_a_failing_variant(tmp_path):
+    # the a8w4 PRMT decode is PTX: forced on for a HIP build it must fail, and the script must say so
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import sys; sys.argv = ['hip_compile.py', '--arch', 'gfx950', '--schemes', 'a8w4']\n"
+            f"sys.path.insert(0, {str(ROOT / 'scripts')!r})\n"
+            "import hip_compile, triton.language as tl\n"
+            "hip_compile.mxfp4.PRMT_OK = tl.constexpr(True)\n"
+            "v = sorted(hip_compile.variants(('a8w4',)))[0]\n"
+            "try:\n    hip_compile.compile_hip(*v, 'gfx950')\nexcept Exception as e:\n    print('FAILED', type(e).__name__)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert "FAILED" in run.stdout, run.stdout + run.stderr[-2000:]
