@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .formats import FP8_DTYPE
+from .inputs import warn_fp32
 from .spec import FP8_BLOCK, MoESpec, Scheme
 from .weights import PreparedWeights
 
@@ -169,6 +170,7 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
         _check_inputs(x, topk_weights, topk_ids, spec, allow_fp8=True)
     else:
         _check_inputs(x, topk_weights, topk_ids, spec)
+        warn_fp32(x, "fused_experts")
     routing, gemm1, gemm2, tuning = _kernels()
     T, k, E_l = x.shape[0], spec.top_k, spec.num_local_experts
     if remote is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import formats
+from .inputs import check_call, warn_fp32
 from .layouts import mx_quads, mx_tiles
 from .layouts.gate_up import GateUpLayout, require
 from .reference import apply_activation, quant_dequant_activations
@@ -71,6 +72,8 @@ def experts_torch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
                   weights: PreparedWeights, spec: MoESpec) -> torch.Tensor:
     """[T, H] in x.dtype: this rank's local experts' weighted contribution for each token."""
     weights.check(spec)
+    check_call(x, topk_weights, topk_ids, spec.hidden_size, spec.top_k, where="experts_torch", device=weights.w2.device)
+    warn_fp32(x, "experts_torch")
     lids = local_ids(topk_ids, weights.expert_map)
     xin = quant_dequant_activations(x, spec.scheme) if spec.scheme.fp8_activations \
         else x.to(torch.bfloat16).float()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from . import formats
+from .inputs import check_call
 from .layouts.gate_up import separate
 from .spec import FP8_BLOCK, Activation, ActivationKind, Scheme
 from .weights import PreparedWeights, plain_mxfp4
@@ -92,6 +93,8 @@ def reference_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     shares of disjoint expert sets add up to the full layer. With `act_quant`, activations
     are quantized and dequantized the way that scheme's kernels see them.
     """
+    check_call(x, topk_weights, topk_ids, weights.gate.shape[2], None, where="reference_moe",
+               device=weights.gate.device)
     wanted = None if experts is None else set(int(e) for e in experts)
     xf = x.float() if act_quant is None else quant_dequant_activations(x, act_quant)
     out = torch.zeros(x.shape[0], weights.down.shape[1], dtype=torch.float32, device=x.device)

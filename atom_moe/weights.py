@@ -90,9 +90,40 @@ class PreparedWeights:
             self.mx_flush = quads and any(bool(((t.data if isinstance(t, GateUpTensor) else t) - 1 > 11).any())
                                           for t in (self.w13_scale, self.w2_scale))
         self.mx_flush = bool(self.mx_flush)
+        self.validate_expert_map()
+
+    def validate_expert_map(self) -> None:
+        """Raise WeightError unless expert_map maps exactly local_experts[j] -> j (one host sync, at build)."""
+        em, E, El = self.expert_map, self.num_experts, self.num_local_experts
+        if El != len(self.local_experts):
+            raise WeightError(f"num_local_experts={El} but local_experts lists {len(self.local_experts)} experts; "
+                              f"they must agree")
+        if not isinstance(em, torch.Tensor) or em.dtype != torch.int32 or tuple(em.shape) != (E,):
+            got = _fmt(tuple(em.shape), em.dtype) if isinstance(em, torch.Tensor) else type(em).__name__
+            raise WeightError(f"expert_map is {got}; allowed: int32 [{E}] (global id -> local index, -1 elsewhere)")
+        if em.device != self.w2.device:
+            raise WeightError(f"expert_map is on {em.device}, w2 on {self.w2.device}; they must share a device")
+        want = torch.full((E,), -1, dtype=torch.int32)
+        want[list(self.local_experts)] = torch.arange(El, dtype=torch.int32)
+        have = em.detach().cpu()
+        if not torch.equal(have, want):
+            bad = (have != want).nonzero().flatten()[:4].tolist()
+            raise WeightError(
+                f"expert_map disagrees with local_experts at global ids {bad} (got {have[bad].tolist()}, expected "
+                f"{want[bad].tolist()}); allowed: entries in [-1, num_local_experts={El}), each local index "
+                f"exactly once, expert_map[local_experts[j]] == j")
+        self._map_seen = (em, _tensor_version(em))
 
     def check(self, spec: MoESpec) -> None:
         """Raise WeightError/LayoutError unless these weights are what `spec` needs."""
+        # expert_map was validated at build; a replaced or in-place edited map is validated again,
+        # but never inside a CUDA graph capture (the check reads the map on the host)
+        seen = getattr(self, "_map_seen", (None, None))
+        if seen[0] is not self.expert_map or seen[1] != _tensor_version(self.expert_map):
+            if _capturing():
+                raise WeightError("expert_map changed since it was validated; call weights.validate_expert_map() "
+                                  "before capturing a CUDA graph")
+            self.validate_expert_map()
         require(self.w13, GateUpLayout.INTERLEAVED, "w13")
         if self.w13_bias is not None:
             require(self.w13_bias, GateUpLayout.INTERLEAVED, "w13_bias")
@@ -151,6 +182,18 @@ class PreparedWeights:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def _tensor_version(t) -> int | None:
+    """A tensor's in-place version counter; None for inference tensors, which keep none."""
+    try:
+        return t._version
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _fmt(shape: tuple[int, ...], dtype: torch.dtype) -> str:

@@ -83,8 +83,9 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, 
         acc += tl.load(bias_ptr + e64 * n_out + n, mask=n_ok, other=0.0)[None, :]
     gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
     if OAI:
-        gate = tl.minimum(gate, limit)
-        up = tl.clamp(up, -limit, limit)
+        # NaN must survive the clamp: min/clamp default to dropping it on GPUs (PTX min.f32)
+        gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+        up = tl.clamp(up, -limit, limit, propagate_nan=tl.PropagateNan.ALL)
         act = gate * tl.sigmoid(alpha * gate) * (up + 1.0)
     else:
         act = gate * tl.sigmoid(gate) * up
@@ -99,7 +100,8 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, 
         NG: tl.constexpr = BLOCK_N // 2 // IGROUP
         grouped = tl.reshape(act, [BLOCK_M, NG, IGROUP])
         amax = tl.max(tl.abs(grouped), 2)
-        scale = tl.where(amax > 0, amax / FP8_MAX, 1.0)
+        # + sum(|v| * 0): NaN for a group holding NaN or Inf (the scale goes NaN, formats.md), else 0
+        scale = tl.where(amax > 0, amax / FP8_MAX, 1.0) + tl.sum(tl.abs(grouped) * 0.0, 2)
         q = tl.reshape(tl.clamp(grouped / scale[:, :, None], -FP8_MAX, FP8_MAX), [BLOCK_M, BLOCK_N // 2])
         tl.store(o_ptrs, cast(q, out_ptr.dtype.element_ty, INTERP), mask=o_mask)
         n_groups = tl.cdiv(inter, IGROUP)

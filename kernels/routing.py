@@ -253,7 +253,8 @@ def _token_work(t64, chunk, ids_ptr, emap_ptr, x_ptr, stride_x, xq_ptr, xs_ptr, 
         if n_local > 0:  # a token no local expert reads needs no quantized copy
             v = tl.load(x_ptr + t64 * stride_x + k, mask=km, other=0.0).to(tl.float32)
             amax = tl.max(tl.abs(v), 1)
-            scale = tl.where(amax > 0, amax / FP8_MAX, 1.0)
+            # + sum(|v| * 0): NaN for a group holding NaN or Inf (the scale goes NaN, formats.md), else 0
+            scale = tl.where(amax > 0, amax / FP8_MAX, 1.0) + tl.sum(tl.abs(v) * 0.0, 1)
             q = tl.clamp(v / scale[:, None], -FP8_MAX, FP8_MAX)
             tl.store(xq_ptr + t64 * hidden + k, cast(q, xq_ptr.dtype.element_ty, EMULATE), mask=km)
             n_groups = tl.cdiv(hidden, GROUP)

@@ -55,7 +55,8 @@ def _dispatch_kernel(x_ptr, stride_x, ids_ptr, w_ptr, owner_ptr, delta_ptr,
     if FP8:
         vf = v.to(tl.float32)
         amax = tl.max(tl.abs(vf), 1)
-        scale = tl.where(amax > 0, amax / FP8_MAX, 1.0)
+        # + sum(|v| * 0): NaN for a group holding NaN or Inf (the scale goes NaN, formats.md), else 0
+        scale = tl.where(amax > 0, amax / FP8_MAX, 1.0) + tl.sum(tl.abs(vf) * 0.0, 1)
         row = cast(tl.clamp(vf / scale[:, None], -FP8_MAX, FP8_MAX), rx_ptr.dtype.element_ty, EMULATE)
     else:
         row = cast(v.to(tl.float32), rx_ptr.dtype.element_ty, EMULATE)

@@ -62,7 +62,7 @@ def test_hf_config_errors_name_the_problem(tmp_path):
     missing = {k: v for k, v in CONFIGS["qwen3-235b-a22b"].items() if k != "moe_intermediate_size"}
     with pytest.raises(SpecError, match="missing moe_intermediate_size"):
         spec_from_config(missing)
-    with pytest.raises(SpecError, match="no MoE fields found"):
+    with pytest.raises(SpecError, match="not a MoE family atom_moe reads; allowed model_type"):
         spec_from_config({"hidden_size": 4096, "num_hidden_layers": 32, "model_type": "llama"})
     with pytest.raises(SpecError, match="neither a preset"):
         load_model(str(tmp_path / "nope.json"))

@@ -1,6 +1,9 @@
 """A layer preset or a HuggingFace `config.json` -> the MoESpec of one routed-experts layer.
 
-Shared by `atom-moe plan`, `accuracy` and `tune`. Understands the configs of
+Shared by `atom-moe plan`, `accuracy` and `tune`. The family comes from `model_type` (or,
+without one, `architectures`), never from which keys are present; each family takes its
+expert count from either spelling (n_routed_experts / num_experts / num_local_experts).
+Understands the configs of
 DeepSeek-V3 / Kimi-K2 / GLM-4.5 (n_routed_experts, moe_intermediate_size,
 num_experts_per_tok, n_group, topk_group, routed_scaling_factor, scoring_func,
 first_k_dense_replace), gpt-oss (num_local_experts, intermediate_size, experts_per_token,
@@ -75,14 +78,42 @@ def config_scheme(config: dict, where: str = "config") -> Scheme:
                     f"(128x128 blocks), mxfp4, or no quantization_config (bf16); or pass a scheme explicitly")
 
 
+# The family is chosen from model_type, else from the architecture: never from the presence of one
+# key (transformers 5 writes num_local_experts into Qwen3-MoE configs, once read as gpt-oss).
+MODEL_TYPES = {"deepseek_v3": "deepseek", "deepseek_v2": "deepseek", "kimi_k2": "deepseek", "glm4_moe": "deepseek",
+               "gpt_oss": "gpt_oss", "qwen3_moe": "qwen", "qwen2_moe": "qwen"}
+ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek", "DeepseekV2ForCausalLM": "deepseek",
+                 "Glm4MoeForCausalLM": "deepseek", "GptOssForCausalLM": "gpt_oss",
+                 "Qwen3MoeForCausalLM": "qwen", "Qwen2MoeForCausalLM": "qwen"}
+# the expert-count key of each family first, then the other spellings configs use for it
+EXPERT_KEYS = {"deepseek": ("n_routed_experts", "num_experts", "num_local_experts"),
+               "gpt_oss": ("num_local_experts", "num_experts"),
+               "qwen": ("num_experts", "num_local_experts")}
+
+
+def model_family(config: dict, where: str = "config") -> str:
+    """'deepseek' (DeepSeek-V2/V3, Kimi-K2, GLM-4.5), 'gpt_oss' or 'qwen' (Qwen2/3-MoE), from model_type or architectures."""
+    model_type = str(config.get("model_type", "")).lower()
+    if model_type in MODEL_TYPES:
+        return MODEL_TYPES[model_type]
+    archs = [a for a in (config.get("architectures") or ()) if a in ARCHITECTURES]
+    if archs:
+        return ARCHITECTURES[archs[0]]
+    raise SpecError(f"{where}: model_type {model_type or None!r} / architectures {config.get('architectures')} "
+                    f"is not a MoE family atom_moe reads; allowed model_type: {', '.join(sorted(MODEL_TYPES))} "
+                    f"(or architectures: {', '.join(sorted(ARCHITECTURES))})")
+
+
 def spec_from_config(config: dict, scheme: str | Scheme | None = None, *, name: str = "config") -> ModelLayer:
     """The MoE layer of a HF config dict (see the module docstring for the families understood)."""
     where = name
     model_type = str(config.get("model_type", "")).lower()
+    family = model_family(config, where)
     H = int(_get(config, "hidden_size", where=where))
     layers = int(_get(config, "num_hidden_layers", where=where))
     sch = Scheme.parse(scheme) if scheme is not None else config_scheme(config, where)
-    if "n_routed_experts" in config:  # DeepSeek-V3, Kimi-K2, GLM-4.5
+    num_experts = int(_get(config, *EXPERT_KEYS[family], where=where))
+    if family == "deepseek":  # DeepSeek-V3, Kimi-K2, GLM-4.5
         scoring = str(config.get("scoring_func", "sigmoid")).lower()
         if scoring not in ("sigmoid", "softmax"):
             raise SpecError(f"{where}: scoring_func {scoring!r} not supported; allowed: sigmoid, softmax")
@@ -93,30 +124,27 @@ def spec_from_config(config: dict, scheme: str | Scheme | None = None, *, name: 
                           correction_bias=bias,
                           routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)))
         spec = MoESpec(hidden_size=H, intermediate_size=int(_get(config, "moe_intermediate_size", where=where)),
-                       num_experts=int(config["n_routed_experts"]),
+                       num_experts=num_experts,
                        top_k=int(_get(config, "num_experts_per_tok", where=where)), scheme=sch, routing=routing)
         every = int(config.get("moe_layer_freq", 1))
         first = int(config.get("first_k_dense_replace", 0))
         moe_layers = sum(1 for i in range(first, layers) if i % every == 0)
-    elif model_type == "gpt_oss" or "num_local_experts" in config:
+    elif family == "gpt_oss":
         spec = MoESpec(hidden_size=H, intermediate_size=int(_get(config, "intermediate_size", where=where)),
-                       num_experts=int(config["num_local_experts"]),
+                       num_experts=num_experts,
                        top_k=int(_get(config, "experts_per_token", "num_experts_per_tok", where=where)), scheme=sch,
                        activation=Activation(ActivationKind.SWIGLU_OAI, alpha=1.702,
                                              limit=float(config.get("swiglu_limit", 7.0))),
                        routing=Routing(Scoring.SOFTMAX, renormalize=True), has_bias=True)
         moe_layers = layers
-    elif "num_experts" in config:  # Qwen3-MoE (and Qwen2-MoE-style configs)
+    else:  # Qwen3-MoE (and Qwen2-MoE-style configs)
         spec = MoESpec(hidden_size=H, intermediate_size=int(_get(config, "moe_intermediate_size", where=where)),
-                       num_experts=int(config["num_experts"]),
+                       num_experts=num_experts,
                        top_k=int(_get(config, "num_experts_per_tok", where=where)), scheme=sch,
                        routing=Routing(Scoring.SOFTMAX, renormalize=bool(config.get("norm_topk_prob", False))))
         step = int(config.get("decoder_sparse_step", 1))
         dense = set(config.get("mlp_only_layers") or ())
         moe_layers = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
-    else:
-        raise SpecError(f"{where}: no MoE fields found (model_type={model_type!r}); understood: n_routed_experts "
-                        f"(DeepSeek-V3, Kimi-K2, GLM-4.5), num_local_experts (gpt-oss), num_experts (Qwen3-MoE)")
     if moe_layers < 1:
         raise SpecError(f"{where}: no MoE layers among num_hidden_layers={layers}")
     return ModelLayer(str(config.get("_name_or_path") or model_type or name), spec, moe_layers)

@@ -13,6 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..inputs import warn_fp32
 from ..spec import MoESpec
 from ..weights import PreparedWeights
 from .buffers import BACKENDS, TRANSPORTS, WIRES, buffer_plan, check_limits, workspace_tensors
@@ -266,6 +267,7 @@ class MegaMoE:
             problem = (f"out must be a contiguous [T, H] = {list(x.shape)} {x.dtype} tensor on {x.device}, got "
                        f"{list(out.shape)} {out.dtype} on {out.device}")
         num_tokens = self._agree_on_call(x, problem)
+        warn_fp32(x, "MegaMoE.forward")
         if self.transport_name == "symm":
             return self._forward_symm(x, topk_weights, topk_ids, out)
         if num_tokens == 0 and self.transport_name == "local":  # nothing to compute, nobody to serve
