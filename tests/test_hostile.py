@@ -269,3 +269,51 @@ def test_transformers5_qwen3_config_reads_as_qwen3():
     with pytest.raises(Exception, match="model_type 'mixtral'"):
         spec_from_config(dict(model_type="mixtral", hidden_size=64, intermediate_size=64, num_local_experts=8,
                               num_experts_per_tok=2, num_hidden_layers=1))
+
+
+# ---------------------------------------------------------------- on the GPU, at model dims
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme,hidden,inter,oai", [("fp8", 7168, 2048, False), ("a8w4", 2880, 2880, True),
+                                                     ("a16w4", 2880, 2880, True), ("bf16", 2880, 2880, True)])
+def test_gpu_non_finite_rows_at_model_dims(seed, scheme, hidden, inter, oai):
+    """DeepSeek-V3 (fp8) and gpt-oss (MXFP4, bf16; clamped SwiGLU) dims: NaN/Inf rows stay NaN, others exact."""
+    spec, p = make_layer(hidden, inter, 8, 4, scheme, oai=oai, bias=oai, device="cuda")
+    w, ids = make_routing(64, 8, 4, device="cuda")
+    x = torch.randn(64, hidden, device="cuda").bfloat16()
+    clean = _fused(x, w, ids, p, spec)
+    x[3, 11] = float("nan")
+    x[40, hidden - 1] = float("inf")  # in gpt-oss's partial last 128-group
+    w = w.clone()
+    w[50, 2] = float("nan")
+    _check_rows(_fused(x, w, ids, p, spec), clean, [3, 40, 50])
+
+
+@pytest.mark.gpu
+def test_gpu_expert_map_check_is_graph_safe(seed):
+    """The per-call check never syncs; a map edited after build is refused before use, and inside a capture
+    with a clear error instead of a sync."""
+    from atom_moe.experts import allocate_workspace
+    spec, p = make_layer(1024, 384, 8, 4, "bf16", local_experts=(0, 2, 5, 7), device="cuda")
+    w, ids = make_routing(16, 8, 4, device="cuda")
+    x = torch.randn(16, 1024, device="cuda").bfloat16()
+    ws = allocate_workspace(spec, 16, "cuda")
+    out = torch.empty_like(x)
+    _fused(x, w, ids, p, spec, workspace=ws, out=out)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _fused(x, w, ids, p, spec, workspace=ws, out=out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _fused(x, w, ids, p, spec, workspace=ws, out=out)
+    graph.replay()
+    torch.cuda.synchronize()
+    p.expert_map[[0, 2]] = p.expert_map[[2, 0]].clone()  # permuted in place
+    with pytest.raises(WeightError, match="expert_map"):
+        _fused(x, w, ids, p, spec, workspace=ws, out=out)
+    graph2 = torch.cuda.CUDAGraph()
+    with pytest.raises(WeightError, match="before capturing a CUDA graph"):
+        with torch.cuda.graph(graph2):
+            _fused(x, w, ids, p, spec, workspace=ws, out=out)
