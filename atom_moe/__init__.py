@@ -5,15 +5,16 @@ docs/architecture.md maps each stage to its module; docs/api.md shows this API e
 
 What a user needs is exported here:
 - describe a layer: `MoESpec` (with `Routing`, `Activation`, `Scheme`, `Placement`), `preset`, `PRESETS`;
-- prepare its weights once: `load_model` (config.json -> spec), `prepare_hf_experts`,
-  `prepare_gpt_oss` (checkpoint tensors), `prepare_stacked` (engine tensors);
+- prepare its weights once: `load_model` (config.json -> spec), `prepare_experts` (a checkpoint's
+  tensors in any on-disk format, docs/formats.md; or the readers `prepare_hf_experts`,
+  `prepare_gpt_oss`), `prepare_stacked` (engine tensors);
 - run it: `route` (logits -> top-k), `fused_experts` with `allocate_workspace` (one rank),
   `MegaMoE` (expert parallel, dispatch and combine included);
 - check it: `reference_moe` on `ReferenceWeights` (the fp32 oracle).
 Importing this package loads no Triton kernel; the kernels compile on first use.
 """
 
-from .checkpoint import ModelLayer, load_model, prepare_gpt_oss, prepare_hf_experts
+from .checkpoint import ModelLayer, load_model, prepare_experts, prepare_gpt_oss, prepare_hf_experts
 from .ep import MegaMoE, MegaMoEError
 from .experts import Workspace, allocate_workspace, fused_experts
 from .layouts.gate_up import GateUpLayout, GateUpTensor, LayoutError
@@ -29,5 +30,6 @@ __all__ = [
     "Activation", "ActivationKind", "GateUpLayout", "GateUpTensor", "LayoutError", "MegaMoE", "MegaMoEError",
     "ModelLayer", "MoESpec", "PRESETS", "Placement", "PreparedWeights", "ReferenceWeights", "Routing", "Scheme",
     "Scoring", "SpecError", "WeightError", "Workspace", "__version__", "allocate_workspace", "fused_experts",
-    "load_model", "preset", "prepare_gpt_oss", "prepare_hf_experts", "prepare_stacked", "reference_moe", "route",
+    "load_model", "preset", "prepare_experts", "prepare_gpt_oss", "prepare_hf_experts", "prepare_stacked",
+    "reference_moe", "route",
 ]

@@ -92,7 +92,7 @@ EXPERT_KEYS = {"deepseek": ("n_routed_experts", "num_experts", "num_local_expert
 
 
 def model_family(config: dict, where: str = "config") -> str:
-    """'deepseek' (DeepSeek-V2/V3, Kimi-K2, GLM-4.5), 'gpt_oss' or 'qwen' (Qwen2/3-MoE), from model_type or architectures."""
+    """'deepseek' (DeepSeek-V2/V3, Kimi-K2, GLM), 'gpt_oss' or 'qwen' (Qwen2/3-MoE), by model_type or architecture."""
     model_type = str(config.get("model_type", "")).lower()
     if model_type in MODEL_TYPES:
         return MODEL_TYPES[model_type]

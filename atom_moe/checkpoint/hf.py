@@ -49,7 +49,8 @@ def read_hf_experts(spec: MoESpec, tensors: MutableMapping[str, torch.Tensor], p
             nb_i, nb_h = -(-I // 128), -(-H // 128)
             scales = [check_tensor(f"{base}.{p}.weight_scale_inv", pop_tensor(tensors, f"{base}.{p}.weight_scale_inv"),
                                    (torch.float32,), shape, " (fp32 128x128 block scales, DeepSeek weight_scale_inv)")
-                      for p, shape in (("gate_proj", (nb_i, nb_h)), ("up_proj", (nb_i, nb_h)), ("down_proj", (nb_h, nb_i)))]
+                      for p, shape in (("gate_proj", (nb_i, nb_h)), ("up_proj", (nb_i, nb_h)),
+                                       ("down_proj", (nb_h, nb_i)))]
             ss13.append(torch.cat(scales[:2]))
             ss2.append(scales[2])
         del gate, up, down

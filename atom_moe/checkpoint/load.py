@@ -34,7 +34,7 @@ from .transformers5 import read_fused_experts
 
 def read_experts(config: dict, spec: MoESpec, tensors: MutableMapping[str, torch.Tensor], prefix: str
                  ) -> StackedExperts:
-    """The layer's expert tensors under `prefix`, read (and consumed) by the reader of the config's family (table above)."""
+    """The layer's expert tensors under `prefix`, read (and consumed) by its format's reader (table above)."""
     family = model_family(config)
     if family == "gpt_oss":
         mxfp4 = f"{prefix}.gate_up_proj_blocks" in tensors

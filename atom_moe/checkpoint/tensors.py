@@ -14,7 +14,7 @@ from ..weights import PreparedWeights, WeightError, prepare_stacked
 
 @dataclass
 class StackedExperts:
-    """A layer's expert tensors as read from a checkpoint, in prepare_stacked's terms (w13 [E', 2I, K'], w2 [E', H, I'])."""
+    """A layer's checkpoint expert tensors as prepare_stacked takes them (w13 [E', 2I, K'], w2 [E', H, I'])."""
 
     w13: torch.Tensor
     w2: torch.Tensor
