@@ -49,10 +49,9 @@ def check_tensor(key: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], sha
     """Return t if its dtype is one of `dtypes` (and its shape is `shape`); else a WeightError naming `key`."""
     allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
     if not isinstance(t, torch.Tensor):
-        raise WeightError(f"checkpoint tensor {key!r} is a {type(t).__name__}; expected a torch.Tensor")
+        raise WeightError(f"{key} is a {type(t).__name__}; expected a torch.Tensor")
     if t.dtype not in dtypes:
-        raise WeightError(f"checkpoint tensor {key!r} has dtype {str(t.dtype).removeprefix('torch.')}; "
-                          f"allowed: {allowed}{what}")
+        raise WeightError(f"{key} has dtype {str(t.dtype).removeprefix('torch.')}; allowed: {allowed}{what}")
     if shape is not None and tuple(t.shape) != tuple(shape):
-        raise WeightError(f"checkpoint tensor {key!r} has shape {list(t.shape)}, expected {list(shape)}{what}")
+        raise WeightError(f"{key} has shape {tuple(t.shape)}, expected [{', '.join(map(str, shape))}]{what}")
     return t
