@@ -228,7 +228,7 @@ def test_prepare_gpt_oss_errors(seed):
     with pytest.raises(WeightError, match="has_bias=True"):
         prepare_gpt_oss(dataclasses.replace(spec, has_bias=False), gpt_oss_tensors(), PREFIX)
     t = gpt_oss_tensors(h=H + 32)
-    with pytest.raises(WeightError, match=r"gate_up_proj_blocks has shape \(4, 384, 9, 16\), expected \[4, 384, 8, 16\]"):
+    with pytest.raises(WeightError, match=r"blocks has shape \(4, 384, 9, 16\), expected \[4, 384, 8, 16\]"):
         prepare_gpt_oss(spec, t, PREFIX)
 
 
