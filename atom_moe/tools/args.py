@@ -11,6 +11,7 @@ Exit codes, the same for every subcommand:
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 USAGE, FAILURE = 2, 1
@@ -43,6 +44,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         if "%(default)" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        if re.search(r"\bdefault\b|\bnone:", text):  # the help already says what happens by default
             return text
         if action.nargs == 0:  # a switch: its default is always "off"
             return text

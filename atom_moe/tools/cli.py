@@ -20,9 +20,8 @@ SUBCOMMANDS = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse the command line and run one subcommand."""
-    argv = sys.argv[1:] if argv is None else argv
+def build_parser() -> tuple[Parser, dict]:
+    """The `atom-moe` parser with every subcommand, and the subcommand modules by name."""
     parser = Parser(prog="atom-moe", description="atom_moe: fused expert-parallel MoE tools\n\n"
                     "exit codes: 0 done, 1 a runtime failure (no GPU, server down, does not fit), 2 a bad value")
     sub = parser.add_subparsers(dest="command", parser_class=Parser)
@@ -31,7 +30,17 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(module_name)
         module.add_arguments(sub.add_parser(name, help=help_text, description=module.__doc__))
         modules[name] = module
-    args = parser.parse_args(argv or ["demo"])  # no arguments: run the demo on what the machine has
+    return parser, modules
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line and run one subcommand."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser, modules = build_parser()
+    try:
+        args = parser.parse_args(argv or ["demo"])  # no arguments: run the demo on what the machine has
+    except SystemExit as exc:  # --help (0) or a bad value (2, one line already printed by Parser.error)
+        return exc.code if isinstance(exc.code, int) else USAGE
     command = args.command or "demo"
     try:
         result = modules[command].run(args)

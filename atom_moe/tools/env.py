@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata as md
-import importlib.util
 import json
 import os
 import sys
@@ -154,16 +153,18 @@ def installed_root() -> Path | None:
 
 
 def shadowing(path: list[str] | None = None) -> tuple[list[str], list[str]]:
-    """(report lines, problems): which atom_moe and which metadata win on sys.path, and what hides what."""
+    """(report lines, problems): which atom_moe `import` finds on `path` (sys.path), and stray metadata on it."""
     path = sys.path if path is None else path
     lines, problems = [], []
-    spec = importlib.util.find_spec("atom_moe")
-    imported = Path(spec.origin).resolve().parent.parent if spec and spec.origin else None
     root = installed_root()
+    # sys.path entries are searched before an editable install's finder: the first checkout there wins
+    first = next((Path(e or os.getcwd()).resolve() for e in path
+                  if (Path(e or os.getcwd()) / "atom_moe" / "__init__.py").is_file()), None)
+    imported = first or (root.resolve() if root else None)
     lines.append(f"  import atom_moe -> {imported}" + (f" (installed: {root})" if root else " (not installed)"))
-    if root is not None and imported is not None and imported != root.resolve():
-        problems.append(f"`import atom_moe` finds {imported}, not the installed package at {root}: a source checkout "
-                        f"on sys.path (e.g. the current folder) shadows it; run from another folder")
+    if root is not None and first is not None and first != root.resolve() and first.parent != root.resolve():
+        problems.append(f"`import atom_moe` finds the source checkout {first}, not the installed package at {root}: "
+                        f"it is on sys.path (e.g. the current folder); run from another folder or reinstall from it")
     for entry in path:
         folder = Path(entry or os.getcwd())
         for stray in sorted(folder.glob("atom_moe.egg-info")) + sorted(folder.glob("atom_moe-*.egg-info")):
