@@ -36,7 +36,7 @@ ensure_python() {  # ensure_python EXTRAS -> sets PY
         "$venv/bin/pip" install -q "$torch_req" "$triton_req"
         # no build isolation: the venv's own (just upgraded) setuptools builds it, in a temporary
         # folder; an isolated build leaves atom_moe.egg-info in the checkout, where it hides the plugin
-        "$venv/bin/pip" install -q --no-build-isolation -e "$repo[$extras]"
+        quietly "$venv/bin/pip" install -q --no-build-isolation -e "$repo[$extras]"
         touch "$venv/.ready"
     fi
     PY=$venv/bin/python
@@ -50,13 +50,17 @@ ensure_python() {  # ensure_python EXTRAS -> sets PY
     fi
 }
 
-install_editable() {  # editable install of this checkout into $PY, offline; its log only on failure
+install_editable() {  # editable install of this checkout into $PY, offline
+    quietly "$PY" -m pip install -q --no-deps --no-build-isolation -e "$repo"
+}
+
+quietly() {  # run a command, showing its output only if it fails (setuptools' notes are not for users)
     local log
     log=$(mktemp)
-    if ! "$PY" -m pip install -q --no-deps --no-build-isolation -e "$repo" >"$log" 2>&1; then
+    if ! "$@" >"$log" 2>&1; then
         cat "$log" >&2
         rm -f "$log"
-        echo "atom_moe: installing $repo into $PY failed (log above)" >&2
+        echo "atom_moe: failed: $* (output above)" >&2
         return 1
     fi
     rm -f "$log"
