@@ -66,6 +66,16 @@ def test_demo_ep_is_checked_against_the_scaled_layer():
     assert demo.allowed_ep("glm-4.5", torch.device("cuda")) == [1, 2, 4, 8, 16, 32]  # 64 experts; 160 not by 64
 
 
+def test_demo_closing_lines_say_what_the_numbers_mean():
+    rows = [{"path": "triton", "scheme": "bf16", "ms": 0.5}, {"path": "torch", "scheme": "bf16", "ms": 2.0},
+            {"path": "triton", "scheme": "fp8", "ms": float("nan")}, {"path": "torch", "scheme": "fp8", "ms": 3.0}]
+    gpu = demo.meaning(torch.device("cuda"), 5, rows)
+    assert gpu[0].startswith("rel_err: ||out - ref|| / ||ref||")
+    assert "median wall time of 5 CUDA-synchronized calls" in gpu[1] and gpu[1].endswith("torch twin: bf16 4.0x")
+    cpu = demo.meaning(torch.device("cpu"), 3, rows)
+    assert "one call in Triton's interpreter" in cpu[1] and "speed-up" not in cpu[1]
+
+
 def test_cli_entry_point_runs_as_module():
     proc = subprocess.run([sys.executable, "-m", "atom_moe.tools.cli", "demo", "--help"], capture_output=True,
                           text=True)

@@ -226,11 +226,11 @@ def meaning(device: torch.device, repeats: int, rows: Iterable[dict]) -> list[st
                    "on a GPU, `atom-moe demo` times the compiled kernels")
     else:
         twin = {r["scheme"]: r["ms"] for r in rows if r["path"] == "torch"}
-        ratios = [f"{r['scheme']} {twin[r['scheme']] / r['ms']:.1f}x faster" for r in rows
+        ratios = [f"{r['scheme']} {twin[r['scheme']] / r['ms']:.1f}x" for r in rows
                   if r["path"] == "triton" and r["ms"] == r["ms"] and r["scheme"] in twin]
         out.append(f"ms: median wall time of {repeats} CUDA-synchronized calls after a compile/warm-up call "
                    "(eager launches, no CUDA graph: `atom-moe bench` gives graph-replay times against the HBM "
-                   "floor); Triton vs torch twin: " + (", ".join(ratios) or "n/a"))
+                   "floor); speed-up of the Triton kernels over the torch twin: " + (", ".join(ratios) or "n/a"))
     return out
 
 
