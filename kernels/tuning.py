@@ -172,6 +172,23 @@ def lookup(device: str, scheme: str, hidden: int, inter: int, num_experts: int, 
     return heuristic(scheme, hidden, inter, num_experts, top_k, tokens)
 
 
+def tuned_buckets(device: str, scheme: str, hidden: int, inter: int, num_experts: int, top_k: int
+                  ) -> tuple[list[int], str | None]:
+    """Token buckets with a row for this exact shape in the table `lookup` would read, and its source."""
+    key = (device.strip().lower(), scheme.lower(), hidden, inter, num_experts, top_k)
+    sources = list(override_dirs()) + [str(CONFIG_DIR)]
+    for source, group in zip(sources, _load(override_dirs())):
+        rows = [r for r in group if (r["device"], r["scheme"], r["H"], r["I"], r["E"], r["top_k"]) == key]
+        if rows:
+            return sorted({r["tokens"] for r in rows}), source
+    return [], None
+
+
+def table_devices() -> list[str]:
+    """Every device named in the tables `lookup` reads (lower case)."""
+    return sorted({r["device"] for group in _load(override_dirs()) for r in group})
+
+
 def _describe(key: tuple) -> str:
     device, scheme, hidden, inter, num_experts, top_k = key
     return f"device={device} scheme={scheme} H={hidden} I={inter} E={num_experts} top_k={top_k}"

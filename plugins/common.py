@@ -1,7 +1,7 @@
 """Engine-neutral plugin pieces: flags, the start-up line, layer specs, limits, warn-once.
 
-The vLLM plugin (atom_moe.plugins.vllm) uses these; the SGLang plugin will too. Nothing
-here imports an engine.
+The vLLM plugin (atom_moe.plugins.vllm) and the SGLang plugin (atom_moe.plugins.sglang) use
+these. Nothing here imports an engine.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from ..spec import Activation, MoESpec, Placement, Scheme
 FLAG_FUSED = "ATOM_USE_FLYDSL_FUSED"  # full fused EP path: our dispatch + experts + combine
 FLAG_EXPERTS = "ATOM_USE_FLYDSL"  # our experts step; the engine keeps its dispatch and combine
 FLAG_KERNELS_PATH = "ATOM_FLYDSL_KERNELS_PATH"  # extra tuned tables (read by atom_moe.kernels.tuning)
+FLAG_CONFIG_DIR = "ATOM_MOE_CONFIG_DIR"  # its alias; tuning reads both, in this order
 FLAG_TRANSPORT = "ATOM_MOE_TRANSPORT"  # fused mode's EP transport: auto (default), symm or torch
 TRANSPORTS = ("auto", "symm", "torch")
 
@@ -58,16 +59,23 @@ def _flag(env: Mapping[str, str], name: str) -> bool:
 
 
 def parse_flags(env: Mapping[str, str] | None = None) -> Flags:
-    """Read ATOM_USE_FLYDSL_FUSED / ATOM_USE_FLYDSL / ATOM_FLYDSL_KERNELS_PATH; raise FlagError on bad values."""
+    """Read ATOM_USE_FLYDSL_FUSED / ATOM_USE_FLYDSL / the table folders / ATOM_MOE_TRANSPORT; FlagError on bad values.
+
+    The table folders are ATOM_FLYDSL_KERNELS_PATH then its alias ATOM_MOE_CONFIG_DIR, the
+    order atom_moe.kernels.tuning reads them in; a folder that does not exist is an error.
+    """
     env = os.environ if env is None else env
     fused, experts = _flag(env, FLAG_FUSED), _flag(env, FLAG_EXPERTS)
     mode = Mode.FUSED if fused else Mode.EXPERTS if experts else Mode.OFF
-    path = env.get(FLAG_KERNELS_PATH, "").strip() or None
-    if path is not None and mode is not Mode.OFF:
-        missing = [p for p in path.split(os.pathsep) if p and not os.path.isdir(p)]
-        if missing:
-            raise FlagError(f"{FLAG_KERNELS_PATH} names folders that do not exist: {', '.join(missing)} "
+    dirs = []
+    for var in (FLAG_KERNELS_PATH, FLAG_CONFIG_DIR):
+        folders = [p for p in env.get(var, "").strip().split(os.pathsep) if p]
+        missing = [p for p in folders if not os.path.isdir(p)]
+        if missing and mode is not Mode.OFF:
+            raise FlagError(f"{var} names folders that do not exist: {', '.join(missing)} "
                             f"(a {os.pathsep}-separated list of folders of tuned-table CSV files)")
+        dirs += folders
+    path = os.pathsep.join(dirs) or None
     transport = env.get(FLAG_TRANSPORT, "").strip().lower() or "auto"
     if transport not in TRANSPORTS:
         raise FlagError(f"{FLAG_TRANSPORT}={env.get(FLAG_TRANSPORT)!r}; allowed: {', '.join(TRANSPORTS)}")

@@ -15,13 +15,13 @@ ensure_python() {  # ensure_python EXTRAS -> sets PY
     local extras=$1
     if [ -n "${ATOM_MOE_PYTHON:-}" ]; then
         PY=$ATOM_MOE_PYTHON
-        "$PY" -m pip install -q --no-deps --no-build-isolation -e "$repo" >/dev/null
+        install_editable
         return
     fi
     local key
-    # keyed by what is installed (the dependency tables and this file), not by the rest of
-    # pyproject.toml: a change to the package list or pytest settings needs no new venv
-    key=$( (sed -n '/^dependencies/p; /^\[project.optional-dependencies\]/,/^\[/p' "$repo/pyproject.toml"
+    # keyed by what is installed (the dependencies, this extra's line and this file), not by the
+    # rest of pyproject.toml: a new extra, the package list or pytest settings need no new venv
+    key=$( (sed -n "/^dependencies/p; /^$extras = /p" "$repo/pyproject.toml"
             cat "$repo/scripts/env.sh") | sha256sum | cut -c1-12)
     local venv="$cache/venv-$(python3 -c 'import sys; print("py%d%d" % sys.version_info[:2])')-$extras-$key"
     if [ ! -f "$venv/.ready" ]; then
@@ -34,10 +34,34 @@ ensure_python() {  # ensure_python EXTRAS -> sets PY
         "$venv/bin/pip" install -q --upgrade pip setuptools wheel
         # torch first and pinned: a bare 'torch' requirement would pull a multi-GB CUDA build
         "$venv/bin/pip" install -q "$torch_req" "$triton_req"
-        "$venv/bin/pip" install -q -e "$repo[$extras]"
+        # no build isolation: the venv's own (just upgraded) setuptools builds it, in a temporary
+        # folder; an isolated build leaves atom_moe.egg-info in the checkout, where it hides the plugin
+        quietly "$venv/bin/pip" install -q --no-build-isolation -e "$repo[$extras]"
         touch "$venv/.ready"
     fi
-    # point the editable install at this checkout (CI clones into a new folder each run)
-    "$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$repo" >/dev/null
     PY=$venv/bin/python
+    # point the editable install at this checkout (CI clones into a new folder each run); skipped
+    # when it already points here and pyproject.toml is unchanged
+    local stamp
+    stamp="$repo $(sha256sum < "$repo/pyproject.toml" | cut -c1-12)"
+    if [ "$(cat "$venv/.editable" 2>/dev/null)" != "$stamp" ]; then
+        install_editable
+        echo "$stamp" > "$venv/.editable"
+    fi
+}
+
+install_editable() {  # editable install of this checkout into $PY, offline
+    quietly "$PY" -m pip install -q --no-deps --no-build-isolation -e "$repo"
+}
+
+quietly() {  # run a command, showing its output only if it fails (setuptools' notes are not for users)
+    local log
+    log=$(mktemp)
+    if ! "$@" >"$log" 2>&1; then
+        cat "$log" >&2
+        rm -f "$log"
+        echo "atom_moe: failed: $* (output above)" >&2
+        return 1
+    fi
+    rm -f "$log"
 }

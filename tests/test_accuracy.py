@@ -127,7 +127,7 @@ def test_recorded_inputs(tmp_path, capsys, seed):
     (["--compare", "torch,symm"], "unknown ['symm']; allowed: triton, torch, symm-fused, symm-split"),
     (["--compare", "torch"], "--compare takes exactly two paths"),
     (["--ep", "3"], "num_experts divisible by the EP world size"),
-    (["--tokens", "0"], "--tokens must be >= 1"),
+    (["--tokens", "0"], "argument --tokens: '0' is out of range; allowed: an integer >= 1"),
     (["no-such-model"], "neither a preset"),
 ])
 def test_bad_input_exit_2(argv, message, capsys, tmp_path):

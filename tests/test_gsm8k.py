@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import socket
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from atom_moe.tools import gsm8k
+from atom_moe.tools.args import Parser
 from atom_moe.tools.gsm8k_metrics import exact_match, flexible_extract, normalize, strict_match
 
 DATA = Path(__file__).parent / "data"
@@ -156,9 +156,13 @@ def no_retry_wait(monkeypatch):
 
 
 def run_tool(*argv: str) -> int:
-    parser = argparse.ArgumentParser(prog="atom-moe gsm8k")
+    parser = Parser(prog="atom-moe gsm8k")  # the CLI's parser: one-line errors, exit 2
     gsm8k.add_arguments(parser)
-    return gsm8k.run(parser.parse_args(list(argv)))
+    try:
+        args = parser.parse_args(list(argv))
+    except SystemExit as exc:
+        return exc.code
+    return gsm8k.run(args)
 
 
 def free_port() -> int:
@@ -262,7 +266,7 @@ def test_retries_connection_errors_bounded(make_server, tmp_path, capsys):
     assert run_tool(*common, "--retries", "2") == 0
     assert len(server.requests) == 2
     server.drop_left = 2
-    assert run_tool(*common, "--retries", "1") == 2
+    assert run_tool(*common, "--retries", "1") == 1  # server trouble is a runtime failure
     err = capsys.readouterr().err
     assert "failed after 2 attempt(s)" in err and "is the server up" in err
 
@@ -270,7 +274,7 @@ def test_retries_connection_errors_bounded(make_server, tmp_path, capsys):
 def test_server_down_is_a_clear_error(capsys):
     url = f"http://127.0.0.1:{free_port()}"
     rc = run_tool("--base-url", url, "--data", str(FIXTURE), "--retries", "1")
-    assert rc == 2
+    assert rc == 1
     err = capsys.readouterr().err
     assert f"GET {url}/v1/models failed after 2 attempt(s)" in err and "refused" in err.lower()
 
@@ -279,16 +283,16 @@ def test_timeout_is_a_clear_error(make_server, capsys):
     server = make_server(delay=1.0)
     rc = run_tool("--base-url", server.url, "--data", str(FIXTURE), "--model", MODEL, "--limit", "1",
                   "--timeout", "0.2", "--retries", "0")
-    assert rc == 2
+    assert rc == 1
     assert "no answer within --timeout 0.2 s" in capsys.readouterr().err
 
 
 def test_http_errors_reported(make_server, capsys):
     server = make_server(api_key="right")
     base = ["--base-url", server.url, "--data", str(FIXTURE), "--limit", "1"]
-    assert run_tool(*base, "--api-key", "wrong") == 2
+    assert run_tool(*base, "--api-key", "wrong") == 1
     assert "HTTP 401" in capsys.readouterr().err
-    assert run_tool(*base, "--api-key", "right", "--model", "nope") == 2
+    assert run_tool(*base, "--api-key", "right", "--model", "nope") == 1
     assert "HTTP 404" in capsys.readouterr().err and len(server.requests) == 1  # no retry on a 404
 
 
@@ -308,10 +312,11 @@ def test_malformed_data(content, message, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--num-fewshot", "-1"], "--num-fewshot must be >= 0"),
-    (["--concurrency", "0"], "--concurrency must be >= 1"),
-    (["--limit", "0"], "--limit must be >= 1"),
-    (["--threshold", "90"], "--threshold is an accuracy between 0 and 1"),
+    (["--num-fewshot", "-1"], "argument --num-fewshot: '-1' is out of range; allowed: an integer >= 0"),
+    (["--concurrency", "0"], "argument --concurrency: '0' is out of range; allowed: an integer >= 1"),
+    (["--limit", "0"], "argument --limit: '0' is out of range; allowed: an integer >= 1"),
+    (["--threshold", "90"], "argument --threshold: '90' is out of range; allowed: a number in [0, 1]"),
+    (["--timeout", "soon"], "argument --timeout: 'soon' is not a number; allowed: a number > 0"),
     (["--log-samples"], "--log-samples needs --output"),
     (["--base-url", "localhost:8000"], "--base-url must start with http://"),
     (["--output", "/no/such/dir/r.json"], "the folder it would go in does not exist"),

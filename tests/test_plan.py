@@ -132,7 +132,7 @@ def test_largest_budget_is_exact():
     at700 = make_plan(layer, ep=8, tokens=700, gpu_bytes=GiB, reserve_bytes=0)
     need = at700.weight_bytes + at700.buffer_bytes
     tight = make_plan(layer, ep=8, gpu_bytes=need, utilization=1.0, reserve_bytes=0)
-    assert tight.max_tokens_memory == 700 and tight.tokens == 700 and not tight.problems
+    assert tight.max_tokens_memory == 700 and tight.tokens == tight.recommended <= 700 and not tight.problems
     over = make_plan(layer, ep=8, tokens=701, gpu_bytes=need, utilization=1.0, reserve_bytes=0)
     assert over.problems and "largest budget that fits is 700" in over.problems[0]
 
@@ -175,13 +175,15 @@ def test_cli_exit_1_when_the_budget_overflows(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["deepseek-v3", "--tp", "2", "--dp", "4"], "runs with attention TP 1"),
+    (["deepseek-v3", "--tp", "2", "--dp", "4", "--gpus", "4"], "= 8 GPUs, but --gpus 4"),
+    (["deepseek-v3", "--tp", "8", "--ep", "1"], "shards every expert by TP"),
+    (["deepseek-v3", "--layout", "tp-ep", "--ep", "8"], "drop --tp/--dp/--ep, or drop --layout"),
     (["deepseek-v3", "--ep", "8", "--dp", "4"], "EP size must equal TP x DP = 4"),
     (["deepseek-v3", "--ep", "3"], "num_experts divisible by the EP world size"),
     (["deepseek-v3", "--wire", "fp8"], "--wire fp8 needs EP > 1"),
     (["llama-3", "--ep", "8"], "neither a preset"),
-    (["deepseek-v3", "--ep", "8", "--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),
-    (["deepseek-v3", "--ep", "8", "--tokens", "0"], "--tokens must be a positive int"),
+    (["deepseek-v3", "--ep", "8", "--gpu-memory-utilization", "1.5"], "'1.5' is out of range; allowed: a number in (0, 1]"),
+    (["deepseek-v3", "--ep", "8", "--tokens", "0"], "argument --tokens: '0' is out of range"),
 ])
 def test_cli_bad_input_exit_2(argv, message, capsys):
     assert main(["plan", *argv, "--gpu-memory-gib", "140"]) == 2
@@ -195,3 +197,83 @@ def test_plan_error_for_triton_on_unsupported_scheme(monkeypatch):
         make_plan(load_model("deepseek-v3"), ep=8, gpu_bytes=140 * GiB, experts_backend="triton")
     plan = make_plan(load_model("deepseek-v3"), ep=8, gpu_bytes=140 * GiB)  # auto -> torch experts
     assert plan.backend == "torch" and not any(n.startswith("workspace.") for n in plan.buffers)
+
+
+# ---- layouts, the recommended budget, instance sizes, the verdict, --gpus
+
+
+def _workspace_bytes(spec, rows: int) -> int:
+    """The experts workspace's bytes, read off a real (meta-device) allocation."""
+    from atom_moe.experts import allocate_workspace
+    ws = allocate_workspace(spec, rows, "meta")
+    return sum(t.numel() * t.element_size() for t in vars(ws).values() if isinstance(t, torch.Tensor))
+
+
+def test_experts_mode_layouts_size_the_workspace_for_the_rows_a_rank_gets(seed):
+    layer = load_model("deepseek-v3", "bf16")
+    B = 64 + seed % 512
+    kw = dict(tokens=B, gpu_bytes=140 * GiB, experts_backend="triton")
+    tp_ep = make_plan(layer, ep=8, dp=1, tp=8, **kw)
+    assert (tp_ep.layout, tp_ep.fused, tp_ep.transport, tp_ep.gpus) == ("tp-ep", False, "local", 8)
+    spec = layer.spec.for_rank(0, 8)
+    assert tp_ep.buffer_bytes == _workspace_bytes(spec, B)  # every rank sees the engine's B tokens
+    ep = make_plan(layer, ep=8, dp=8, tp=1, fused=False, **kw)
+    assert ep.layout == "ep" and ep.rows_per_call == 8 * B  # the engine's DP dispatch gathers 8 ranks' tokens
+    assert ep.buffer_bytes == _workspace_bytes(spec, 8 * B)
+    both = make_plan(layer, ep=8, dp=4, tp=2, **kw)
+    assert both.layout == "tp-dp-ep" and both.buffer_bytes == _workspace_bytes(spec, 4 * B)
+    rep = make_plan(layer, ep=1, dp=8, tp=1, **kw)
+    assert rep.layout == "replicate" and abs(rep.weight_bytes / tp_ep.weight_bytes - 8) < 1e-4  # 256 experts per GPU
+    with pytest.raises(PlanError, match="fused path runs with attention TP 1"):
+        make_plan(layer, ep=8, dp=1, tp=8, fused=True, **kw)
+
+
+def test_recommended_budget_keeps_the_buffer_share(seed):
+    layer = load_model("deepseek-v3")
+    share = [0.05, 0.1, 0.2][seed % 3]
+    plan = make_plan(layer, ep=8, gpu_bytes=int(140.4 * GiB), reserve_bytes=10 * GiB, buffer_share=share)
+    assert plan.tokens == plan.recommended and 0 < plan.recommended <= plan.max_tokens
+    assert plan.recommended % 256 == 0
+    assert plan.buffer_bytes <= share * plan.engine_bytes
+    above = make_plan(layer, ep=8, tokens=plan.recommended + 256, gpu_bytes=int(140.4 * GiB),
+                      reserve_bytes=10 * GiB)
+    assert above.buffer_bytes > share * plan.engine_bytes  # the next round budget would take more
+    wider = make_plan(layer, ep=8, gpu_bytes=int(140.4 * GiB), reserve_bytes=10 * GiB, buffer_share=share * 2)
+    assert wider.recommended > plan.recommended and wider.max_tokens == plan.max_tokens
+
+
+def test_cli_plans_every_layout_within_the_gpus_given(capsys):
+    assert main(["plan", "deepseek-v3", "--gpus", "8", "--gpu-memory-gib", "140.4"]) == 0
+    out = capsys.readouterr().out
+    table = out.split("layouts on 8 GPU(s)")[1]
+    for name in ("dp-ep", "tp-ep", "ep", "replicate"):
+        assert re.search(rf"^  {name} ", table, re.M), name
+    for tp, dp in re.findall(r"--tensor-parallel-size (\d+) --data-parallel-size (\d+)", out):
+        assert int(tp) * int(dp) <= 8
+    for tp, dp, _ep in re.findall(r"^  \S+ +(\d+) +(\d+) +(\d+) ", table, re.M):
+        assert int(tp) * int(dp) <= 8
+    rec = int(re.search(r"recommended budget: ([\d,]+)", out)[1].replace(",", ""))
+    assert f"--max-num-batched-tokens {rec} " in out and "maximum: 16,319" in out
+    assert "verdict: EP is needed" in out  # 609 GiB of fp8 experts do not fit one GPU
+    assert re.search(r"^  replicate .*does not fit", table, re.M)
+    assert main(["plan", "deepseek-v3", "--gpus", "8", "--layout", "tp-ep", "--gpu-memory-gib", "140.4",
+                 "--model-path", "m"]) == 0
+    out = capsys.readouterr().out
+    assert "ATOM_USE_FLYDSL=1 vllm serve m --tensor-parallel-size 8 --data-parallel-size 1 --enable-expert-parallel" in out
+    assert "--tp-size 8 --ep-size 8 --moe-a2a-backend none" in out
+
+
+def test_instance_sizes_and_the_replication_verdict(capsys):
+    from atom_moe.tools.plan import instance_size
+    layer = load_model("deepseek-v3")
+    kw = dict(gpu_bytes=int(140.4 * GiB), reserve_bytes=10 * GiB)
+    assert make_plan(layer, ep=4, tokens=256, **kw).problems  # 152 GiB of experts per rank at EP 4
+    assert not make_plan(layer, ep=8, tokens=256, **kw).problems
+    assert instance_size(layer, "dp-ep", 8, 256, **kw) == 8
+    assert instance_size(layer, "dp-ep", 4, 256, **kw) is None  # never more GPUs than given
+    assert instance_size(layer, "replicate", 8, 256, **kw) is None
+    # gpt-oss-120b's MXFP4 experts fit one H200: replication is the layout to beat
+    assert main(["plan", "gpt-oss-120b", "--gpus", "8", "--gpu-memory-gib", "140.4"]) == 0
+    out = capsys.readouterr().out
+    assert "verdict: EP is not expected to pay here: gpt-oss-120b fits on one GPU" in out
+    assert re.search(r"^  replicate +1 +8 +1 .* +1 +1$", out, re.M)  # decode and prefill instances: 1 GPU

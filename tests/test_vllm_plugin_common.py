@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -33,6 +34,18 @@ def test_bad_flags_are_clear_errors(tmp_path):
     # a path is only checked when the plugin is on
     assert parse_flags({"ATOM_FLYDSL_KERNELS_PATH": "/nope"}).mode is Mode.OFF
     assert parse_flags({"ATOM_USE_FLYDSL": "1", "ATOM_FLYDSL_KERNELS_PATH": str(tmp_path)}).kernels_path == str(tmp_path)
+
+
+def test_config_dir_alias_is_checked_and_read_like_the_kernels_path(tmp_path):
+    """ATOM_MOE_CONFIG_DIR is documented as an alias: start-up checks it too, and uses it after the main flag."""
+    with pytest.raises(FlagError, match="ATOM_MOE_CONFIG_DIR names folders that do not exist: /nope"):
+        parse_flags({"ATOM_USE_FLYDSL": "1", "ATOM_MOE_CONFIG_DIR": "/nope"})
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir(), second.mkdir()
+    flags = parse_flags({"ATOM_USE_FLYDSL": "1", "ATOM_MOE_CONFIG_DIR": str(second),
+                         "ATOM_FLYDSL_KERNELS_PATH": str(first)})
+    assert flags.kernels_path == f"{first}{os.pathsep}{second}"  # kernels.tuning's precedence order
+    assert parse_flags({"ATOM_USE_FLYDSL": "1", "ATOM_MOE_CONFIG_DIR": str(second)}).kernels_path == str(second)
 
 
 def test_startup_line_names_mode_and_versions(tmp_path):

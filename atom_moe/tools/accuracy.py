@@ -35,6 +35,7 @@ import torch
 from ..checkpoint.config import load_model
 from ..presets import scaled_down
 from ..reference import ReferenceWeights, reference_moe
+from .args import RunFailure, positive_float, positive_int
 from ..spec import MoESpec, Scheme, SpecError
 from .synthetic import random_layer, random_tokens
 from ..weights import PreparedWeights, prepare_stacked
@@ -270,19 +271,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="presets or config.json paths (default: deepseek-v3)")
     parser.add_argument("--scheme", action="append", choices=[s.value for s in Scheme],
                         help="repeatable; default: all schemes")
-    parser.add_argument("--tokens", type=int, action="append", help="repeatable; default 32 (CPU), 512 (GPU)")
-    parser.add_argument("--ep", type=int, default=1, help="EP ranks simulated in this process (default 1: the op)")
+    parser.add_argument("--tokens", type=positive_int, action="append", help="repeatable; default 32 (CPU), 512 (GPU)")
+    parser.add_argument("--ep", type=positive_int, default=1, help="EP ranks simulated in this process (default 1: the op)")
     parser.add_argument("--paths", default="triton,torch", help="experts backends to run (default triton,torch)")
-    parser.add_argument("--compare", default=None, help="two paths to compare with each other, e.g. triton,torch")
-    parser.add_argument("--inputs", default=None, help="recorded inputs: torch.save({x, topk_weights, topk_ids})")
-    parser.add_argument("--hidden", type=int, default=None, help="layer size override (default: scaled to device)")
-    parser.add_argument("--intermediate", type=int, default=None)
-    parser.add_argument("--experts", type=int, default=None)
+    parser.add_argument("--compare", default=None,
+                        help="two paths to compare with each other, e.g. triton,torch; none: each against fp32")
+    parser.add_argument("--inputs", default=None,
+                        help="recorded inputs: torch.save({x, topk_weights, topk_ids}); none: random tokens")
+    parser.add_argument("--hidden", type=positive_int, default=None,
+                        help="hidden size override (default: scaled to device)")
+    parser.add_argument("--intermediate", type=positive_int, default=None,
+                        help="intermediate size override (default: scaled to device)")
+    parser.add_argument("--experts", type=positive_int, default=None,
+                        help="expert count override (default: scaled to device)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
     parser.add_argument("--interpret", action="store_true", help="on the CPU, run Triton under TRITON_INTERPRET=1")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and tokens")
     parser.add_argument("--out", type=Path, default=Path("accuracy"), help="writes OUT.md and OUT.csv")
-    parser.add_argument("--max-rel-err", type=float, default=None, help="exit 1 if any rel_err is above this")
+    parser.add_argument("--max-rel-err", type=positive_float, default=None,
+                        help="exit 1 if any rel_err is above this; none: no gate")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -291,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are first imported
     try:
         if args.device == "cuda" and not torch.cuda.is_available():
-            raise AccuracyError("--device cuda asked for, but torch sees no CUDA device")
+            raise RunFailure("--device cuda asked for, but torch sees no CUDA device here (allowed here: cpu)")
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         paths = parse_paths(args.paths, "--paths")
         compare = parse_paths(args.compare, "--compare") if args.compare else None
@@ -314,7 +321,7 @@ def run(args: argparse.Namespace) -> int:
                     rows += evaluate(model, scheme, T, ep=args.ep, paths=paths, compare=compare, device=device,
                                      seed=args.seed, sizes=sizes, inputs_file=args.inputs)
     except (AccuracyError, SpecError) as exc:
-        print(f"atom-moe accuracy: {exc}", file=sys.stderr)
+        print(f"atom-moe accuracy: error: {exc}", file=sys.stderr)
         return 2
     table = format_markdown(rows)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from .args import RunFailure, positive_float, positive_int
 from .common import SHAPES, TOKENS, Timer, cfg_str, floor_terms, make_routing, measure_ceilings, plot, random_weights, write_csv
 CSV_COLUMNS = ("device", "shape", "scheme", "T", "routing", "impl", "us", "floor_us", "frac_of_floor",
                "tbps", "tflops", "bytes", "flops", "config", "note")
@@ -28,21 +29,23 @@ CSV_COLUMNS = ("device", "shape", "scheme", "T", "routing", "impl", "us", "floor
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the benchmark's options to `parser`."""
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--schemes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8", "a16w4", "a8w4"])
-    parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES),
+                        help="model shapes (H, I, E, top_k of each preset)")
+    parser.add_argument("--schemes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8", "a16w4", "a8w4"],
+                        help="schemes to time")
+    parser.add_argument("--tokens", nargs="+", type=positive_int, default=list(TOKENS), help="tokens per call")
     parser.add_argument("--routing", default="uniform", choices=["uniform", "skewed"],
                         help="uniform random top-k, or skewed (Zipf-like expert popularity)")
-    parser.add_argument("--iters", type=int, default=20, help="timed graph replays per row (median)")
+    parser.add_argument("--iters", type=positive_int, default=20, help="timed graph replays per row (median)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the torch._grouped_mm baseline")
     parser.add_argument("--tune", action="store_true", help="time a few tile configs per row, keep the best")
-    parser.add_argument("--tune-budget", type=float, default=1e9, help="seconds of tuning, then heuristic only")
+    parser.add_argument("--tune-budget", type=positive_float, default=1e9, help="seconds of tuning, then heuristic only")
     parser.add_argument("--tuned-csv", type=Path, default=None, help="write the best configs as a tuning table")
-    parser.add_argument("--ep", type=int, default=1,
+    parser.add_argument("--ep", type=positive_int, default=1,
                         help="EP size W > 1: W simulated ranks of the symm transport on this GPU, timed stage by "
                              "stage (dispatch, routing, GEMM1, GEMM2, combine) next to the local path; see "
                              "atom_moe/tools/bench_ep.py")
-    parser.add_argument("--csv", type=Path, default=Path("bench.csv"))
+    parser.add_argument("--csv", type=Path, default=Path("bench.csv"), help="rows written here")
     parser.add_argument("--plot", type=Path, default=None, help="roofline PNG (default: CSV path with .png)")
 
 
@@ -95,7 +98,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             args.csv = bench_ep.default_csv(args.csv, args.ep)
         return bench_ep.run(args)
     if not torch.cuda.is_available():
-        raise SystemExit("atom-moe bench needs a CUDA GPU")
+        raise RunFailure("needs a CUDA GPU: torch sees none here")
     timer = Timer(args.iters)
     ceil = measure_ceilings(timer)
     dev = device_name(torch.device("cuda"))

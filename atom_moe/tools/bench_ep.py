@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from . import common
+from .args import RunFailure
 
 CSV_COLUMNS = ("device", "shape", "scheme", "ep", "T", "routing", "impl", "dispatch_us", "routing_us", "gemm1_us",
                "gemm2_us", "combine_us", "sum_of_stages_us", "forward_us", "floor_us", "frac_of_floor", "config")
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     from ..spec import MoESpec
 
     if not torch.cuda.is_available():
-        raise SystemExit("atom-moe bench --ep needs a CUDA GPU")
+        raise RunFailure("--ep needs a CUDA GPU: torch sees none here")
     W = args.ep
     timer = common.Timer(args.iters)
     ceil = common.measure_ceilings(timer)

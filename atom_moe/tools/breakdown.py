@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 
 from . import common
+from .args import RunFailure, positive_int
 from .common import Launch, compiled_info, record_launches
 from ..spec import Scheme
 
@@ -45,12 +46,14 @@ SM_REGS, SM_SHARED, SM_THREADS, SM_CTAS = 65536, 233472, 2048, 32
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the breakdown's options to `parser`."""
-    parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), choices=list(common.SHAPES))
-    parser.add_argument("--schemes", nargs="+", default=list(DEFAULT_SCHEMES), choices=list(DEFAULT_SCHEMES))
-    parser.add_argument("--tokens", nargs="+", type=int, default=list(DEFAULT_TOKENS))
+    parser.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), choices=list(common.SHAPES),
+                        help="model shapes (H, I, E, top_k of each preset)")
+    parser.add_argument("--schemes", nargs="+", default=list(DEFAULT_SCHEMES), choices=list(DEFAULT_SCHEMES),
+                        help="schemes to break down")
+    parser.add_argument("--tokens", nargs="+", type=positive_int, default=list(DEFAULT_TOKENS), help="tokens per call")
     parser.add_argument("--routing", default="uniform", choices=["uniform", "skewed"],
                         help="uniform random top-k, or skewed (Zipf-like expert popularity), as in bench")
-    parser.add_argument("--iters", type=int, default=10, help="timed graph replays per kernel (median)")
+    parser.add_argument("--iters", type=positive_int, default=10, help="timed graph replays per kernel (median)")
     parser.add_argument("--ceilings", nargs=3, type=float, default=None,
                         metavar=("READ_TBPS", "BF16_TFLOPS", "FP8_TFLOPS"),
                         help="use these ceilings instead of measuring them (saves ~10 s)")
@@ -203,7 +206,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
     from ..experts import allocate_workspace, device_name
     from ..spec import MoESpec
     if not torch.cuda.is_available():
-        raise SystemExit("atom-moe breakdown needs a CUDA GPU")
+        raise RunFailure("needs a CUDA GPU: torch sees none here")
     t0 = time.monotonic()
 
     def stamp() -> str:

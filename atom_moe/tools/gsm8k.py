@@ -24,6 +24,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
+from .args import nonnegative_int, positive_float, positive_int, unit_interval
 from .gsm8k_metrics import METRICS, score_response
 
 DEFAULT_STOP = ["Question:", "</s>", "<|im_end|>"]  # lm-eval gsm8k's `until`
@@ -35,6 +36,10 @@ RETRY_DELAY_S = 1.0  # first back-off; doubles per attempt
 
 class Gsm8kError(Exception):
     """A problem the user can fix: bad input, an unreachable server, a malformed reply."""
+
+
+class ServerError(Gsm8kError):
+    """The server did not answer, or answered with an error or an unreadable reply (exit 1)."""
 
 
 # ---- data -------------------------------------------------------------------------------
@@ -162,7 +167,7 @@ class Client:
                     time.sleep(RETRY_DELAY_S * 2**attempt)
                     continue
                 detail = exc.read()[:500].decode(errors="replace")
-                raise Gsm8kError(f"{method} {url} answered HTTP {exc.code}: {detail}") from None
+                raise ServerError(f"{method} {url} answered HTTP {exc.code}: {detail}") from None
             except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError) as exc:
                 if not last:
                     time.sleep(RETRY_DELAY_S * 2**attempt)
@@ -170,12 +175,12 @@ class Client:
                 reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
                 if isinstance(reason, TimeoutError):
                     reason = f"no answer within --timeout {self.timeout:g} s"
-                raise Gsm8kError(f"{method} {url} failed after {attempt + 1} attempt(s): {reason or type(exc).__name__}"
+                raise ServerError(f"{method} {url} failed after {attempt + 1} attempt(s): {reason or type(exc).__name__}"
                                  f"; is the server up at {self.base_url}? (see docs/gsm8k.md)") from None
         try:
             return json.loads(payload)
         except ValueError:
-            raise Gsm8kError(f"{method} {url} answered with something other than JSON: {payload[:200]!r}") from None
+            raise ServerError(f"{method} {url} answered with something other than JSON: {payload[:200]!r}") from None
 
 
 def first_model(client: Client) -> str:
@@ -184,7 +189,7 @@ def first_model(client: Client) -> str:
     try:
         return str(reply["data"][0]["id"])
     except (KeyError, IndexError, TypeError):
-        raise Gsm8kError(f"GET {client.base_url}/v1/models listed no model ({str(reply)[:200]}); "
+        raise ServerError(f"GET {client.base_url}/v1/models listed no model ({str(reply)[:200]}); "
                          f"pass --model") from None
 
 
@@ -205,7 +210,7 @@ def generate(client: Client, args: argparse.Namespace, model: str, item: dict, s
         # a reasoning model's chat content can be null when it ran out of tokens while thinking
         text = (choice["text"] if args.api == "completions" else choice["message"]["content"]) or ""
     except (KeyError, IndexError, TypeError):
-        raise Gsm8kError(f"POST {client.base_url}{path}: reply has no choices[0] "
+        raise ServerError(f"POST {client.base_url}{path}: reply has no choices[0] "
                          f"{'text' if args.api == 'completions' else 'message.content'}: {str(reply)[:200]}") from None
     usage = reply.get("usage") or {}
     return {"prompt": prompt, "response": text, "latency_s": latency,
@@ -281,28 +286,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="completions: few-shot prompt text; chat: few-shot as chat turns, the server applies "
                              "the chat template (default %(default)s)")
     parser.add_argument("--model", default=None, help="model name to send (default: the first id of GET /v1/models)")
-    parser.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    parser.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'; none: no header")
     parser.add_argument("--data", default=None,
                         help="GSM8K jsonl to evaluate (official test.jsonl format); default: HuggingFace "
                              "openai/gsm8k test split, if `datasets` is installed and online")
     parser.add_argument("--fewshot-data", default=None,
                         help="jsonl of few-shot examples (GSM8K's train.jsonl), the first --num-fewshot are used; "
                              "default: the first --num-fewshot items of --data, which are then not evaluated")
-    parser.add_argument("--num-fewshot", type=int, default=3, help="few-shot examples per prompt (default %(default)s)")
-    parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N items")
-    parser.add_argument("--concurrency", type=int, default=32, help="requests in flight (default %(default)s)")
-    parser.add_argument("--max-tokens", type=int, default=256, help="max generated tokens (default %(default)s)")
+    parser.add_argument("--num-fewshot", type=nonnegative_int, default=3, help="few-shot examples per prompt (default %(default)s)")
+    parser.add_argument("--limit", type=positive_int, default=None, help="evaluate only the first N items; none: all")
+    parser.add_argument("--concurrency", type=positive_int, default=32, help="requests in flight (default %(default)s)")
+    parser.add_argument("--max-tokens", type=positive_int, default=256, help="max generated tokens (default %(default)s)")
     parser.add_argument("--stop", action="append", default=None,
                         help=f"stop sequence, repeatable; replaces the default {DEFAULT_STOP}")
     parser.add_argument("--metric", choices=METRICS, default="flexible-extract",
                         help="the metric --threshold gates on (default %(default)s)")
-    parser.add_argument("--threshold", type=float, default=None,
-                        help="exit 1 when --metric is below this accuracy (0..1)")
-    parser.add_argument("--output", default=None, help="write results (metrics, settings, counts, timing) as JSON")
+    parser.add_argument("--threshold", type=unit_interval, default=None,
+                        help="exit 1 when --metric is below this accuracy (0..1); none: no gate")
+    parser.add_argument("--output", default=None,
+                        help="write results (metrics, settings, counts, timing) as JSON; none: print only")
     parser.add_argument("--log-samples", action="store_true",
                         help="with --output: also every sample's prompt, response, extracted answers, correctness")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per request (default %(default)s)")
-    parser.add_argument("--retries", type=int, default=3,
+    parser.add_argument("--timeout", type=positive_float, default=300.0, help="seconds per request (default %(default)s)")
+    parser.add_argument("--retries", type=nonnegative_int, default=3,
                         help="retries of a request after a connection error, timeout or HTTP 502/503/504, with "
                              "doubling back-off from 1 s (default %(default)s)")
 
@@ -373,9 +379,12 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Entry point of `atom-moe gsm8k`; 0 ok, 1 below --threshold, 2 bad input or server trouble."""
+    """Entry point of `atom-moe gsm8k`; 0 ok, 1 below --threshold or server trouble, 2 bad input."""
     try:
         return _run(args)
+    except ServerError as exc:
+        print(f"atom-moe gsm8k: {exc}", file=sys.stderr)
+        return 1
     except Gsm8kError as exc:
         print(f"atom-moe gsm8k: error: {exc}", file=sys.stderr)
         return 2

@@ -26,11 +26,13 @@ class RawLayer:
 
 
 def random_layer(spec: MoESpec, *, generator: torch.Generator, device: str | torch.device = "cpu") -> RawLayer:
-    """Random bf16 checkpoint weights for all spec.num_experts experts."""
+    """Random bf16 checkpoint weights for all spec.num_experts experts, drawn on the generator's device."""
     E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
 
     def randn(*shape: int, std: float) -> torch.Tensor:
-        return (torch.randn(*shape, generator=generator) * std).to(device=device, dtype=torch.bfloat16)
+        # drawn where the generator lives: a CUDA generator keeps a real-size layer off the host
+        return (torch.randn(*shape, generator=generator, device=generator.device) * std).to(
+            device=device, dtype=torch.bfloat16)
 
     w13 = randn(E, 2 * I, H, std=H**-0.5)
     w2 = randn(E, H, I, std=I**-0.5)
@@ -47,8 +49,9 @@ def random_tokens(spec: MoESpec, num_tokens: int, *, generator: torch.Generator,
 
     skew > 0 adds skew * log-rank to the logits so low expert ids are chosen more often.
     """
-    x = torch.randn(num_tokens, spec.hidden_size, generator=generator).to(device=device, dtype=torch.bfloat16)
-    logits = torch.randn(num_tokens, spec.num_experts, generator=generator).to(device)
+    draw = dict(generator=generator, device=generator.device)
+    x = torch.randn(num_tokens, spec.hidden_size, **draw).to(device=device, dtype=torch.bfloat16)
+    logits = torch.randn(num_tokens, spec.num_experts, **draw).to(device)
     if skew:
         logits = logits - skew * torch.log1p(torch.arange(spec.num_experts, device=device, dtype=torch.float32))
     if spec.routing.correction_bias and correction_bias is None:

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.config import load_model
+from .args import RunFailure, positive_float, positive_int
 from ..spec import MoESpec, Scheme, SpecError
 
 FALLBACK_SLOWDOWN = 1.03  # a pick more than 3% slower than the heuristic falls back to it
@@ -476,8 +477,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="a preset or a HuggingFace config.json (its MoE layer's shape)")
     parser.add_argument("--scheme", action="append", choices=[s.value for s in Scheme],
                         help="repeatable; default: the model's scheme")
-    parser.add_argument("--ep", type=int, default=1, help="EP size: E local = E / EP, buckets of EP x tokens rows")
-    parser.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS),
+    parser.add_argument("--ep", type=positive_int, default=1, help="EP size: E local = E / EP, buckets of EP x tokens rows")
+    parser.add_argument("--tokens", type=positive_int, nargs="+", default=list(DEFAULT_TOKENS),
                         help="token buckets per rank (default 1 8 32 128 512 2048 8192)")
     parser.add_argument("--only", default=None, help=f"kernel families, comma-separated (default all: "
                                                      f"{', '.join(FAMILIES)})")
@@ -486,12 +487,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--retune", action="store_true", help="redo keys already in --out")
     parser.add_argument("--timer", choices=("cuda-graph", "wall"), default=None,
                         help="default cuda-graph on a GPU; wall is for CPU interpreter smoke runs only")
-    parser.add_argument("--iters", type=int, default=20, help="timed repeats per measurement (median)")
-    parser.add_argument("--hidden", type=int, default=None, help="shape overrides (small CPU smoke runs)")
-    parser.add_argument("--intermediate", type=int, default=None)
-    parser.add_argument("--experts", type=int, default=None)
-    parser.add_argument("--tol", type=float, default=2e-2, help="relative error above which a candidate is dropped")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--iters", type=positive_int, default=20, help="timed repeats per measurement (median)")
+    parser.add_argument("--hidden", type=positive_int, default=None,
+                        help="hidden size override (small CPU smoke runs); none: the model's")
+    parser.add_argument("--intermediate", type=positive_int, default=None,
+                        help="intermediate size override; none: the model's")
+    parser.add_argument("--experts", type=positive_int, default=None, help="expert count override; none: the model's")
+    parser.add_argument("--tol", type=positive_float, default=2e-2,
+                        help="relative error above which a candidate is dropped")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and tokens")
     parser.add_argument("--interpret", action="store_true", help="CPU: run Triton under TRITON_INTERPRET=1")
 
 
@@ -503,10 +507,10 @@ def run(args: argparse.Namespace) -> int:
         cuda = torch.cuda.is_available()
         timer_name = args.timer or ("cuda-graph" if cuda else None)
         if timer_name is None:
-            raise TuneError("no CUDA GPU here: tuning times the op on a GPU. For a CPU smoke run of the whole flow "
+            raise RunFailure("no CUDA GPU here: tuning times the op on a GPU. For a CPU smoke run of the whole flow "
                             "pass --interpret --timer wall (the times mean nothing)")
         if timer_name == "cuda-graph" and not cuda:
-            raise TuneError("--timer cuda-graph needs a CUDA GPU")
+            raise RunFailure("--timer cuda-graph needs a CUDA GPU: torch sees none here")
         if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise TuneError("on the CPU the kernels run only under the interpreter: add --interpret")
         if args.ep < 1 or any(t < 1 for t in args.tokens) or args.iters < 1:
@@ -529,7 +533,7 @@ def run(args: argparse.Namespace) -> int:
         keys = {k for k, _, _ in plan_keys(spec, schemes, args.ep, args.tokens, device_name(device))}
         earlier = table_rows(args.out, {k for k in keys if k not in {r.key for r in results}})
     except (TuneError, SpecError) as exc:
-        print(f"atom-moe tune: {exc}", file=sys.stderr)
+        print(f"atom-moe tune: error: {exc}", file=sys.stderr)
         return 2
     print(format_summary(results, earlier))
     print(f"table: {args.out} (timer {timer_name}{'; CPU interpreter: times mean nothing' if not cuda else ''})")
