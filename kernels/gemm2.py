@@ -124,7 +124,9 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr
         if W4:
             if FP8:
                 a_s = a_s_next
-                a_s_next = tl.load(as_ptrs + (k0 + BLOCK_K) // IGROUP, mask=row_ok & (k0 + BLOCK_K < inter), other=0.0)
+                # the scalar bound as a [BLOCK_M] vector (triton 3.9 interpreter: see _combine_kernel)
+                more = (tl.zeros([BLOCK_M], tl.int32) + (k0 + BLOCK_K)) < inter
+                a_s_next = tl.load(as_ptrs + (k0 + BLOCK_K) // IGROUP, mask=row_ok & more, other=0.0)
                 acc = swap_step(acc, a, a_s, w_ptr, ws_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks,
                                 BLOCK_N, BLOCK_M, BLOCK_K, FP8, BIG, INTERP)
             else:
