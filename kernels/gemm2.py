@@ -173,7 +173,9 @@ def _combine_kernel(partial_ptr, ids_ptr, emap_ptr, out_ptr, stride_out, num_exp
     slot_ok = slot_ok & (tl.load(emap_ptr + gid, mask=slot_ok, other=-1) >= 0)
     total = tl.zeros([BLOCK_H], dtype=tl.float32)
     for s in tl.static_range(TOPK):  # slot order: the same sum as the counter combine
-        local = tl.sum(tl.where(j == s, slot_ok, False).to(tl.int32), 0) > 0
+        # the slot's flag broadcast to [BLOCK_H] before the mask: triton 3.9's interpreter rejects a
+        # mask built from a 0-d reduction result ('mask has unsupported dtype')
+        local = (tl.sum(tl.where(j == s, slot_ok, False).to(tl.int32), 0) + tl.zeros([BLOCK_H], tl.int32)) > 0
         total += tl.load(partial_ptr + (t * TOPK + s) * hidden + h, mask=h_ok & local, other=0.0).to(tl.float32)
     # tokens with no local slot get zeros, as the routing launch gives them on the counter path
     tl.store(out_ptr + t * stride_out + h, cast(total, out_ptr.dtype.element_ty, INTERP), mask=h_ok)

@@ -51,7 +51,10 @@ def k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_ptrs, n_ok, w_off,
         if W4:
             if FP8:
                 a_s = a_s_next
-                a_s_next = tl.load(as_ptrs + (k0 + BLOCK_K) // AGROUP, mask=row_ok & (k0 + BLOCK_K < K), other=0.0)
+                # the scalar bound broadcast to [BLOCK_M] first: triton 3.9's interpreter rejects a mask
+                # that mixes a vector with a 0-d comparison ('mask has unsupported dtype')
+                more = (tl.zeros([BLOCK_M], tl.int32) + (k0 + BLOCK_K)) < K
+                a_s_next = tl.load(as_ptrs + (k0 + BLOCK_K) // AGROUP, mask=row_ok & more, other=0.0)
                 acc = swap_step(acc, a, a_s, w_ptr, ws_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks,
                                 BLOCK_N, BLOCK_M, BLOCK_K, FP8, BIG, INTERP)
             else:

@@ -42,15 +42,18 @@ def _dispatch_kernel(x_ptr, stride_x, ids_ptr, w_ptr, owner_ptr, delta_ptr,
     t = tl.program_id(0)
     t64 = t.to(tl.int64)
     j = tl.arange(0, KP2)
+    # (j * 0 + t) < num_tokens: the program's bound as a [KP2] vector, since triton 3.9's interpreter
+    # rejects a mask that mixes a vector with a 0-d comparison ('mask has unsupported dtype')
     jm = j < TOPK
-    gid = tl.load(ids_ptr + t64 * TOPK + j, mask=jm & (t < num_tokens), other=-1).to(tl.int32)
+    live = jm & ((j * 0 + t) < num_tokens)  # this program has a token to read
+    gid = tl.load(ids_ptr + t64 * TOPK + j, mask=live, other=-1).to(tl.int32)
     valid = (gid >= 0) & (gid < num_experts)
     owner = tl.load(owner_ptr + gid, mask=valid, other=-1)
-    wt = tl.load(w_ptr + t64 * TOPK + j, mask=jm & (t < num_tokens), other=0.0).to(tl.float32)
+    wt = tl.load(w_ptr + t64 * TOPK + j, mask=live, other=0.0).to(tl.float32)
     g = tl.arange(0, GP2)
     col = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     cm = col < hidden
-    v = tl.load(x_ptr + t64 * stride_x + col, mask=cm & (t < num_tokens), other=0.0)
+    v = tl.load(x_ptr + t64 * stride_x + col, mask=cm & ((col * 0 + t) < num_tokens), other=0.0)
     n_groups = tl.cdiv(hidden, GROUP)
     if FP8:
         vf = v.to(tl.float32)

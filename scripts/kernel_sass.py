@@ -29,6 +29,7 @@ from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,7 +116,9 @@ def compile_sass(args: argparse.Namespace) -> tuple[dict, str]:
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         Path(ptx).write_text(compiled.asm["ptx"])
         Path(cubin).write_bytes(compiled.asm["cubin"])
-        info = subprocess.run([str(TOOLS / "ptxas"), "-arch=sm_90a", "-v", ptx, "-o", os.devnull],
+        # the ptxas triton itself picks for sm_90: triton 3.9 emits PTX 9.x, which only its bundled
+        # CUDA 13 ptxas ("ptxas-blackwell") reads; 3.6 uses plain "ptxas"
+        info = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", ptx, "-o", os.devnull],
                               capture_output=True, text=True, check=True).stderr
         sass = subprocess.run([str(TOOLS / "nvdisasm"), "-c", cubin], capture_output=True, text=True, check=True).stdout
     regs = int(re.search(r"Used (\d+) registers", info).group(1))

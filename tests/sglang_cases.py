@@ -250,3 +250,57 @@ def _run_ranks(mode: str, scheme: str, world: int) -> None:
     outs = [p.communicate(timeout=900)[0] for p in procs]
     for r, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0 and f"RANK {r} OK" in out, f"rank {r}:\n{out[-6000:]}"
+
+
+# ---------------------------------------------------------------- SGLang's torch.compile paths
+class _Block(torch.nn.Module):
+    """A model-like module around one FusedMoE layer: router logits in, the layer's output out."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x, logits):
+        w, ids = c.route(logits)
+        return self.layer.forward(x, c.topk_output(w, ids, logits))
+
+
+@pytest.mark.parametrize("runner", ["cuda_graph_runner", "cpu_graph_runner"])
+def test_sglang_torch_compile_runs_our_custom_op(runtime, runner, monkeypatch):
+    """--enable-torch-compile: SGLang's own patch_model (decode graphs) compiles the model with our layer.
+
+    cuda_graph_runner: sglang.srt.compilation.torch_compile_decoration (the GPU runners' helper; its
+    default mode wants GPU autotuning, so SGLANG_TORCH_COMPILE_MODE=default here). cpu_graph_runner:
+    SGLang's CPU backend (freezing on). The op must run (not be traced into) with no graph break.
+    """
+    from sglang.srt.distributed import get_tp_group
+
+    from atom_moe import ops
+
+    if runner == "cuda_graph_runner":
+        from sglang.srt.compilation import torch_compile_decoration as helper
+        monkeypatch.setenv("SGLANG_TORCH_COMPILE_MODE", "default")
+    else:
+        from sglang.srt.model_executor import cpu_graph_runner as helper
+    layer, ref = _built("bf16", 20)
+    c.process(layer)
+    handle = layer.atom_moe.handle
+    calls = []
+    run = ops._bound[handle]
+    monkeypatch.setitem(ops._bound, handle, lambda *a: calls.append(1) or run(*a))
+    helper.set_torch_compile_config()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    gen = _gen(21)
+    block = _Block(layer)
+    T = 16
+    with helper.patch_model(block, True, T, get_tp_group()) as forward:
+        for _ in range(2):
+            x = torch.randn(T, c.H, generator=gen).bfloat16()
+            logits = torch.randn(T, c.E, generator=gen)
+            out = forward(x, logits)
+            w, ids = c.route(logits)
+            c.assert_matches(out, c.expected("bf16", x, w, ids, ref))
+    breaks = dict(torch._dynamo.utils.counters["graph_break"])
+    assert not breaks, f"graph breaks: {breaks}"
+    assert len(calls) == 2  # our op's body ran once per call: Dynamo did not trace into it

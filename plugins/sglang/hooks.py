@@ -34,6 +34,7 @@ class LayerState:
     weights: PreparedWeights
     op: object | None = None  # MegaMoE (fused)
     workspace: object | None = field(default=None, repr=False)  # fused_experts workspace (triton backend)
+    handle: str = ""  # atom_moe.ops handle: the custom op's bound runtime
 
 
 def configure(flags: Flags, fused_ok: bool = True) -> None:
@@ -88,10 +89,14 @@ def _build_runtime(state: LayerState, device: torch.device) -> None:
             _shared[key] = allocate_workspace(plan.spec, plan.tokens, device)
         else:
             _shared[key] = None  # experts_torch needs no workspace
+    from ... import ops
+
     if plan.fused:
         state.op = _shared[key]
+        state.handle = ops.bind_mega_moe(state.op, state.weights)
     else:
         state.workspace = _shared[key]
+        state.handle = ops.bind_experts(state.weights, plan.spec, backend=plan.backend, workspace=state.workspace)
 
 
 def _routing(topk_output) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,16 +120,11 @@ def forward_impl(orig, layer, hidden_states: torch.Tensor, topk_output, *args, *
     weights, ids = _routing(topk_output)
     # padded graph rows carry topk_ids = num_experts (or -1): they contribute nothing below
     x = hidden_states if hidden_states.is_contiguous() else hidden_states.contiguous()
+    # one custom op call (atom_moe.ops): SGLang's torch.compile paths never trace into our path
     if plan.fused:
-        out = state.op.bind(state.weights).forward(x, weights, ids)
-    elif plan.backend == "triton":
-        from ...experts import fused_experts
-
-        out = fused_experts(x, weights, ids, state.weights, plan.spec, workspace=state.workspace)
+        out = torch.ops.atom_moe.mega_moe(x, weights, ids, state.handle)
     else:
-        from ...experts_torch import experts_torch
-
-        out = experts_torch(x, weights, ids, state.weights, plan.spec)
+        out = torch.ops.atom_moe.experts(x, weights, ids, state.handle)
     if plan.scale != 1.0:
         out = out * plan.scale  # SGLang's runners apply routed_scaling_factor to the expert sum
     if plan.all_reduce:

