@@ -23,11 +23,12 @@ CONFIGS = {
     "qwen3moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], head_dim=32,
                      intermediate_size=256, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
-    # layer 0 dense (first_k_dense_replace=1), layer 1 MoE; n_group=2, topk_group=1: grouped top-k
+    # layer 0 dense (first_k_dense_replace=1), layer 1 MoE; n_group=2, topk_group=1: grouped top-k.
+    # MLA at DeepSeek-V3's own latent dims (512 + 64 rope = 576): vLLM's CPU MLA rejects others (80)
     "dsv3": dict(model_type="deepseek_v3", num_key_value_heads=4, architectures=["DeepseekV3ForCausalLM"], intermediate_size=256,
                  moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-                 n_group=2, topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1, kv_lora_rank=64,
-                 q_lora_rank=None, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, topk_method="noaux_tc",
+                 n_group=2, topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1, kv_lora_rank=512,
+                 q_lora_rank=None, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, topk_method="noaux_tc",
                  scoring_func="sigmoid", norm_topk_prob=True),
 }
 
