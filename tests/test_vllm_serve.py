@@ -232,6 +232,7 @@ SEQUENTIAL = {"qwen3moe": False, "dsv3": True}  # vLLM's CPU MLA is batch-varian
 
 
 @pytest.mark.slow
+@pytest.mark.served
 @pytest.mark.timeout(3600)
 def test_vllm_serve(tmp_path, seed):
     python = engine_python()
