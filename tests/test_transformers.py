@@ -84,10 +84,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def _hf_route(kind: str, block, x: torch.Tensor):
-    """(weights fp32 [T, k], ids [T, k]) as the HF router chose them."""
-    _, w, ids = (block.router if kind == "gpt_oss" else block.gate)(x)
-    return w.float(), ids
+def _hf_route(kind: str, block, x: torch.Tensor, with_logits: bool = False):
+    """(weights fp32 [T, k], ids [T, k]) as the HF router chose them (and its logits, if asked)."""
+    logits, w, ids = (block.router if kind == "gpt_oss" else block.gate)(x)
+    return (w.float(), ids, logits) if with_logits else (w.float(), ids)
 
 
 def _our_route(kind: str, spec, tensors: dict, x: torch.Tensor):
@@ -106,6 +106,25 @@ def _check_routing(hf_w, hf_ids, w, ids) -> None:
     assert torch.equal(hf_ids.sort(1).values, ids.sort(1).values), "expert sets differ from the HF router's"
     order_hf, order = hf_ids.argsort(1), ids.argsort(1)
     torch.testing.assert_close(w.gather(1, order), hf_w.gather(1, order_hf), rtol=1e-5, atol=1e-6)
+
+
+def _check_routing_on_hf_logits(kind: str, spec, tensors: dict, hf_logits, hf_w, hf_ids) -> None:
+    """Our route() on the HF router's own logits picks experts of the same scores and the same weights.
+
+    In bf16 the Qwen3 and gpt-oss routers compute logits in bf16 (F.linear on bf16 x), where equal
+    logits are common; which of two tied experts topk returns is arbitrary, so a tie at the k-th
+    place is accepted when the chosen experts' logits are the same values. DeepSeek's router is fp32.
+    """
+    bias = tensors.get(f"{PREFIX}.gate.e_score_correction_bias")
+    w, ids = route(hf_logits.float(), spec.routing, spec.top_k, correction_bias=bias)
+    if kind == "deepseek_v3":
+        _check_routing(hf_w, hf_ids, w, ids)
+        return
+    # softmax is monotonic, so the logits order the choice for both routers
+    ours_vals = hf_logits.float().gather(1, ids).sort(1).values
+    hf_vals = hf_logits.float().gather(1, hf_ids).sort(1).values
+    assert torch.equal(ours_vals, hf_vals), "chosen experts' logits differ from the HF router's"
+    torch.testing.assert_close(w.sort(1).values, hf_w.sort(1).values, rtol=1e-2, atol=1e-3)
 
 
 def _hf_out(kind: str, block, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,11 +182,11 @@ def test_bf16_torch_twin_matches_transformers(kind, style, tmp_path, seed):
         assert t.dtype == torch.bfloat16, "the checkpoint is written in bf16"
     x = torch.randn(T, H).to(torch.bfloat16)
     with torch.no_grad():
-        w, ids = _our_route(kind, spec, tensors, x)
-        hf_w, hf_ids = _hf_route(kind, block, x)
-        assert torch.equal(hf_ids.sort(1).values, ids.sort(1).values)
+        hf_w, hf_ids, hf_logits = _hf_route(kind, block, x, with_logits=True)
+        _check_routing_on_hf_logits(kind, spec, tensors, hf_logits, hf_w, hf_ids)
         prepared = prepare_experts(config, spec, dict(tensors), f"{PREFIX}.experts")
-        ours = experts_torch(x, w, ids, prepared, spec)
+        # the experts step on the HF router's choice, so a bf16 logit tie cannot pick another expert
+        ours = experts_torch(x, hf_w, hf_ids, prepared, spec)
         hf, shared = _hf_out(kind, block, x)
     assert ours.dtype == torch.bfloat16 and torch.isfinite(ours).all()
     assert _rel(ours.float() + shared.float(), hf.float()) <= 1e-2
@@ -180,7 +199,7 @@ def test_bf16_triton_matches_transformers(kind, style, tmp_path, seed):
     block, config, tensors, spec = _bf16_case(kind, style, tmp_path)
     x = torch.randn(T, H).to(torch.bfloat16)
     with torch.no_grad():
-        w, ids = _our_route(kind, spec, tensors, x)
+        w, ids = _hf_route(kind, block, x)  # the HF router's choice (see the torch-twin test)
         prepared = prepare_experts(config, spec, dict(tensors), f"{PREFIX}.experts", device=DEVICE)
         ours = fused_experts(x.to(DEVICE), w.to(DEVICE), ids.to(DEVICE), prepared, spec).cpu()
         hf, shared = _hf_out(kind, block, x)
