@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One GPU call: install this checkout into the machine's Python (torch/triton preinstalled, no
 # network), then run what is named: `tests` (every gpu-marked test plus the given files in full)
-# or `demo` (the demo cold, with an empty Triton cache, then warm; and a short bench).
-# Logs go to $OUT. Usage: bash scripts/device_verify.sh tests [FILES...] | demo
+# or `transformers` (tests/test_transformers_gpu.py, one process per case) or `demo` (the demo cold, with an empty Triton cache, then warm; and a short bench).
+# Logs go to $OUT. Usage: bash scripts/device_verify.sh tests [FILES...] | transformers | demo
 set -uo pipefail
 out=${OUT:-/tmp/atom_moe_out}
 mkdir -p "$out"
@@ -18,6 +18,22 @@ tests)
         echo "== $* in full on the GPU [$(date +%T)]"
         timeout 220 python3 -m pytest -q -p no:cacheprovider -rs "$@" 2>&1 | tee "$out/files.log" | tail -6
     fi ;;
+transformers)
+    # each case in its own process, so a crash (a segfault in a compiler) cannot hide the others;
+    # the own-experts control runs only for a model whose case with our experts failed
+    for model in qwen3_moe deepseek_v3; do
+        echo "== transformers $model, our experts [$(date +%T)]"
+        if ! timeout 130 python3 -m pytest -q -s -p no:cacheprovider tests/test_transformers_gpu.py \
+                -k "our_experts and $model" >"$out/tf-$model.log" 2>&1; then
+            tail -25 "$out/tf-$model.log"
+            echo "== transformers $model, own experts control [$(date +%T)]"
+            ATOM_MOE_GPU_CONTROL=1 timeout 80 python3 -m pytest -q -s -p no:cacheprovider tests/test_transformers_gpu.py \
+                -k "control and $model" >"$out/tf-$model-control.log" 2>&1
+            echo "control exit $?"; tail -12 "$out/tf-$model-control.log"
+        else
+            grep -E "measured bound|worst|passed|failed" "$out/tf-$model.log" | tail -8
+        fi
+    done ;;
 demo)
     export TRITON_CACHE_DIR=$(mktemp -d)
     for run in cold warm; do

@@ -59,6 +59,10 @@ def _model(kind: str):
     """A random-init tiny model whose MoE block has every parameter redrawn at a scale where each semantic matters."""
     model = transformers.AutoModelForCausalLM.from_config(_config(kind)).eval()
     block = model.model.layers[0].mlp
+    if kind == "gpt_oss":
+        # transformers < 5.18 hard-codes the clamp at 7.0 (the released checkpoints' swiglu_limit) and
+        # ignores the config's; our loader reads the config, so the HF block is told the same limit
+        block.experts.limit = model.config.swiglu_limit
     with torch.no_grad():
         for name, p in list(block.named_parameters()) + list(block.named_buffers()):
             fan_in = p.shape[-1] if p.dim() > 1 else 1

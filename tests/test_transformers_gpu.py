@@ -1,5 +1,5 @@
 """transformers MoE models on the GPU with their experts replaced by ours, generating under torch.compile
-with CUDA graphs (mode="reduce-overhead": Inductor's cudagraph trees), against the models' own experts.
+with CUDA graphs (mode="reduce-overhead": Inductor's cudagraph trees), against the same experts in fp32.
 
 The nearest thing to a served model on the H200 machine (no vLLM or SGLang there): a small
 Qwen3-MoE and a small DeepSeek-V3 (grouped top-k with correction bias, shared expert, routed
@@ -8,31 +8,41 @@ our prepared weights (from the module's own gate_up_proj / down_proj, gate first
 persistent workspace and one `torch.ops.atom_moe.experts` call, so the Triton kernels run
 inside the captured graphs. The router, attention and shared expert stay transformers' own.
 
-Checks: greedy tokens equal the model's own experts (eager) up to the first near-tie of the
-reference, every compared logprob within the bf16 bound of tests/test_vllm_serve.py; two
-batches of different size and content (new routing) replay the decode graphs, shown by our
-op's Python body running far fewer times than the forwards do; no cudagraph skip.
+The bound is measured, not assumed. The experts are also swapped for `Fp32Experts` (atom_moe's
+fp32 reference on the same weights, rounded to bf16 once); that eager model is the reference,
+and the largest logprob distance of the model's own bf16 experts from it is this model's and
+seed's bf16 noise. Ours rounds less than the model's own experts (two bf16 roundings with fp32
+accumulation, against theirs after every matmul, the activation, the routing weight and each
+index_add_), so ours eager must stay within 1.5 times that noise of the reference (over nine
+seeds on the CPU, torch twin: 0.07-1.01 times), compiled within 2 times (Inductor re-rounds the
+rest of the model). These random-init models are chaotic (a bf16 step grows to tenths of a
+logprob in 12 tokens), which is why the distance to the model's own experts is not the measure:
+two independent bf16 paths differ by up to twice the noise. A planted gate/up swap must exceed
+the bound.
+
+Checks: greedy tokens equal the reference's up to its first near-tie, every vocabulary entry's
+logprob within the bound at each compared step; two batches of different size and content (new
+routing) replay the decode graphs (Qwen3-MoE, mode="reduce-overhead"), shown by our op's Python
+body running far fewer times than the forwards do; no cudagraph skip. DeepSeek-V3 compiles
+without CUDA graphs (see MODES). An opt-in control compiles the model with its own experts, to
+tell a torch/transformers failure from ours.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
 from atom_moe import ops
 from atom_moe.experts import allocate_workspace
-from atom_moe.spec import MoESpec
+from atom_moe.reference import ReferenceWeights, reference_moe
+from atom_moe.spec import Activation, MoESpec
 from atom_moe.weights import prepare_stacked
 
 pytestmark = pytest.mark.gpu
 
-BF16_STEP = 2.0**-8
-LOGIT_MAX = 8.0
-# The model's own experts round to bf16 after the gate/up matmul, the activation product, the
-# down matmul, the routing weight and each of the k accumulations into the output (index_add_
-# on a bf16 tensor); ours round twice (the intermediate, the output) with fp32 accumulation.
-# Per MoE layer that is a few bf16 steps of the experts' output; STEPS of the logits bounds it.
-STEPS = 4
 NEW_TOKENS = 12
 MAX_TOKENS = 256  # the workspace's capacity: the largest prefill below is 3 x 24 tokens
 
@@ -50,23 +60,20 @@ CONFIGS = {
 }
 
 
-def bound(ref_logprob: float) -> float:
-    """STEPS bf16 steps of the logits a logprob is made of (|logit| <= |logprob| + LOGIT_MAX here)."""
-    return STEPS * BF16_STEP * (abs(ref_logprob) + LOGIT_MAX)
-
-
 class AtomExperts(torch.nn.Module):
     """Drop-in for a transformers *Experts module: forward(hidden_states, top_k_index, top_k_weights)."""
 
-    def __init__(self, experts: torch.nn.Module, top_k: int):
+    def __init__(self, experts: torch.nn.Module, top_k: int, plant_swap: bool = False):
         super().__init__()
         e, two_i, h = experts.gate_up_proj.shape
         spec = MoESpec.create(hidden_size=h, intermediate_size=two_i // 2, num_experts=e, top_k=top_k,
                               scheme="bf16", max_tokens_per_rank=MAX_TOKENS)
         device = experts.gate_up_proj.device
         # transformers' gate_up_proj is [E, 2I, H], gate rows first (chunk(2) in its forward): SEPARATED
-        weights = prepare_stacked(spec, experts.gate_up_proj.data, experts.down_proj.data, layout="separated",
-                                  device=device)
+        w13 = experts.gate_up_proj.data
+        if plant_swap:  # the planted bug: up rows where gate rows belong
+            w13 = torch.cat(w13.chunk(2, dim=1)[::-1], dim=1)
+        weights = prepare_stacked(spec, w13, experts.down_proj.data, layout="separated", device=device)
         self.handle = ops.bind_experts(weights, spec, backend="triton",
                                        workspace=allocate_workspace(spec, MAX_TOKENS, device))
         self.calls = 0
@@ -82,6 +89,18 @@ class AtomExperts(torch.nn.Module):
                                           top_k_index.contiguous(), self.handle)
 
 
+class Fp32Experts(torch.nn.Module):
+    """The same experts through atom_moe's fp32 reference, rounded to the input dtype once (eager only)."""
+
+    def __init__(self, experts: torch.nn.Module, top_k: int):
+        super().__init__()
+        self.weights = ReferenceWeights.from_separated(experts.gate_up_proj.data, experts.down_proj.data)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = reference_moe(hidden_states, top_k_weights.float(), top_k_index, self.weights, Activation())
+        return out.to(hidden_states.dtype)
+
+
 def build(model_type: str, seed: int):
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -95,16 +114,28 @@ def build(model_type: str, seed: int):
     return model
 
 
-def swap_experts(model) -> list[AtomExperts]:
-    ours = []
+def swap_experts(model, make) -> list[torch.nn.Module]:
+    """Replace every transformers *Experts module by make(module, top_k); the originals stay reachable."""
+    made = []
     top_k = model.config.num_experts_per_tok
     for name, module in list(model.named_modules()):
         if type(module).__name__.endswith("Experts") and hasattr(module, "gate_up_proj"):
+            parent, attr = model.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]
+            made.append(make(module, top_k))
+            made[-1].original = [module]  # in a list: not registered as a submodule
+            setattr(parent, attr, made[-1])
+    assert made, "no experts module found"
+    return made
+
+
+def restore_experts(model) -> None:
+    """Put the model's own experts back where swap_experts replaced them."""
+    for name, module in list(model.named_modules()):
+        if hasattr(module, "original"):
             parent = model.get_submodule(name.rsplit(".", 1)[0])
-            ours.append(AtomExperts(module, top_k))
-            setattr(parent, name.rsplit(".", 1)[1], ours[-1])
-    assert ours, "no experts module found"
-    return ours
+            setattr(parent, name.rsplit(".", 1)[1], module.original[0])
+            if isinstance(module, AtomExperts):
+                ops.unbind(module.handle)
 
 
 def generate(model, input_ids):
@@ -116,53 +147,107 @@ def generate(model, input_ids):
     return tokens, logprobs
 
 
-def compare(ref_tokens, ref_lp, tokens, lp) -> list[str]:
-    problems = []
+def distance(ref, got, limit: float = float("inf")) -> tuple[float, list[str]]:
+    """(largest |logprob difference| over every vocabulary entry of every compared step, problems).
+
+    Steps are compared up to a row's first differing greedy token; that difference is a problem
+    unless the reference had a near-tie there (its two tokens within 2 * limit).
+    """
+    (ref_tokens, ref_lp), (tokens, lp) = ref, got
+    worst, problems = 0.0, []
     for b in range(ref_tokens.shape[0]):
         for pos in range(ref_tokens.shape[1]):
             rt, gt = int(ref_tokens[b, pos]), int(tokens[b, pos])
-            ref_best = float(ref_lp[b, pos, rt])
             if rt != gt:
-                gap = ref_best - float(ref_lp[b, pos, gt])
-                if gap > 2 * bound(ref_best):
+                gap = float(ref_lp[b, pos, rt] - ref_lp[b, pos, gt])
+                if gap > 2 * limit:
                     problems.append(f"row {b} token {pos}: {gt} instead of {rt} (reference gap {gap:.4f})")
                 break
-            # every vocabulary entry at this step, not only the chosen token
-            diff = (lp[b, pos] - ref_lp[b, pos]).abs()
-            limit = STEPS * BF16_STEP * (ref_lp[b, pos].abs() + LOGIT_MAX)
-            if (diff > limit).any():
-                i = int((diff / limit).argmax())
-                problems.append(f"row {b} token {pos}: logprob of {i} off by {float(diff[i]):.4f} "
-                                f"(bound {float(limit[i]):.4f})")
-    return problems
+            step = float((lp[b, pos] - ref_lp[b, pos]).abs().max())
+            worst = max(worst, step)
+            if step > limit:
+                problems.append(f"row {b} token {pos}: a logprob off by {step:.4f} (bound {limit:.4f})")
+    return worst, problems
+
+
+def fp32_reference(model, batches) -> list:
+    """Greedy generations with the experts swapped for their fp32 version (eager)."""
+    swap_experts(model, Fp32Experts)
+    out = [generate(model, ids) for ids in batches]
+    restore_experts(model)
+    return out
+
+
+def make_batches(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 512, (2, 24), generator=g).cuda(), torch.randint(1, 512, (3, 17), generator=g).cuda()]
+
+
+# DeepSeek-V3 under mode="reduce-overhead" crashes (SIGSEGV) inside an Inductor-generated kernel of
+# a cudagraph-tree partition on the H200 (torch 2.11, transformers 5.17, 2026-12-02) with the
+# model's own experts as well (the control below), so it is compiled without CUDA graphs; Qwen3-MoE
+# carries the graph-replay checks.
+MODES = {"qwen3_moe": "reduce-overhead", "deepseek_v3": "default"}
+EAGER_FACTOR = 1.5  # ours vs fp32 experts, in units of the model's own bf16 experts vs fp32 experts
+COMPILED_FACTOR = 2.0  # compiled: Inductor re-rounds the rest of the model once more
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
 def test_compiled_generate_with_our_experts_matches_own_experts(model_type, seed):
+    """Ours eager and compiled are no further from the fp32 experts than a bounded multiple of the model's own."""
     pytest.importorskip("transformers")
     model = build(model_type, seed)
-    g = torch.Generator().manual_seed(seed)
-    batches = [torch.randint(1, 512, (2, 24), generator=g).cuda(), torch.randint(1, 512, (3, 17), generator=g).cuda()]
+    batches = make_batches(seed)
     with torch.no_grad():
-        refs = [generate(model, ids) for ids in batches]  # the model's own experts, eager
-        ours = swap_experts(model)
-        eager = [generate(model, ids) for ids in batches]  # our experts, eager: the same kernels
-        for (rt, rl), (t, lp) in zip(refs, eager):
-            assert not compare(rt, rl, t, lp)
+        own = [generate(model, ids) for ids in batches]  # the model's own experts, eager
+        f32 = fp32_reference(model, batches)
+        # the bf16 noise of this model and seed: how far the model's own experts are from fp32 ones
+        noise = max(distance(ref, got)[0] for ref, got in zip(f32, own))
+        assert noise > 0, "the fp32 experts gave the same logprobs as the bf16 ones: the swap did not take"
+        eager_limit, compiled_limit = EAGER_FACTOR * noise, COMPILED_FACTOR * noise
+        print(f"{model_type}: own bf16 experts vs fp32 {noise:.4f}; bounds {eager_limit:.4f} / {compiled_limit:.4f}")
+        swap_experts(model, lambda m, k: AtomExperts(m, k, plant_swap=True))
+        planted = [p for ids, ref in zip(batches, f32) for p in distance(ref, generate(model, ids), eager_limit)[1]]
+        restore_experts(model)
+        assert planted, f"a planted gate/up swap stayed within the bound {eager_limit:.4f}"
+        ours = swap_experts(model, AtomExperts)
+        for ids, ref in zip(batches, f32):  # our experts, eager: the same kernels
+            worst, problems = distance(ref, generate(model, ids), eager_limit)
+            print(f"{model_type} eager batch {tuple(ids.shape)}: {worst:.4f} of {eager_limit:.4f}")
+            assert not problems, f"{model_type} eager:\n" + "\n".join(problems[:20])
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
-        model.forward = torch.compile(model.forward, mode="reduce-overhead")
+        model.forward = torch.compile(model.forward, mode=MODES[model_type])
         for rep in range(2):  # the second round replays graphs recorded in the first
-            for ids, (rt, rl) in zip(batches, refs):
+            for ids, ref in zip(batches, f32):
                 before = sum(e.calls for e in ours)
-                tokens, lp = generate(model, ids)
-                problems = compare(rt, rl, tokens, lp)
+                worst, problems = distance(ref, generate(model, ids), compiled_limit)
+                print(f"{model_type} compiled round {rep} batch {tuple(ids.shape)}: {worst:.4f} of {compiled_limit:.4f}")
                 assert not problems, f"{model_type} round {rep}, batch {tuple(ids.shape)}:\n" + "\n".join(problems[:20])
                 python_calls = sum(e.calls for e in ours) - before
-                if rep == 1:
+                if rep == 1 and MODES[model_type] == "reduce-overhead":
                     # NEW_TOKENS forwards per batch, each calling every MoE layer: replayed graphs call no Python
                     assert python_calls < len(ours) * NEW_TOKENS // 2, python_calls
     skips = torch._dynamo.utils.counters["inductor"].get("cudagraph_skips", 0)
     assert skips == 0, f"cudagraph trees skipped {skips} graph(s): {dict(torch._dynamo.utils.counters['inductor'])}"
-    for e in ours:
-        ops.unbind(e.handle)
+    restore_experts(model)
+
+
+@pytest.mark.skipif(os.environ.get("ATOM_MOE_GPU_CONTROL") != "1",
+                    reason="diagnostic: set ATOM_MOE_GPU_CONTROL=1 (DeepSeek-V3's case crashes the process on torch 2.11)")
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
+def test_compiled_generate_with_own_experts_control(model_type, seed):
+    """The same compile with the model's own experts: a failure here is torch's or transformers', not ours."""
+    pytest.importorskip("transformers")
+    model = build(model_type, seed)
+    batches = make_batches(seed)
+    with torch.no_grad():
+        own = [generate(model, ids) for ids in batches]
+        torch._dynamo.reset()
+        model.forward = torch.compile(model.forward, mode="reduce-overhead")  # the mode that crashed DeepSeek-V3
+        for ids, ref in zip(batches, own):
+            tokens, lp = generate(model, ids)
+            assert torch.isfinite(lp).all()
+            # Inductor's fusions round differently from eager: reported, not bounded (this test is a control)
+            print(f"{model_type} own experts compiled, batch {tuple(ids.shape)}: distance to eager "
+                  f"{distance(ref, (tokens, lp))[0]:.4f}")
