@@ -126,3 +126,44 @@ def test_hip_compile_reports_a_failing_variant(tmp_path):
             "try:\n    hip_compile.compile_hip(*v, 'gfx950')\nexcept Exception as e:\n    print('FAILED', type(e).__name__)\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert "FAILED" in run.stdout, run.stdout + run.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- compile_all
+def test_every_launch_of_the_ops_builds_for_sm_90a():
+    # every kernel the ops launch (routing, GEMM1, GEMM2, the separate combine, the symm transport's
+    # dispatch / barrier / combine), with the arguments the launchers pass, for every scheme and
+    # tile variant, compiles to a cubin for sm_90a (no GPU; under each triton CI installs)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_all.py")], capture_output=True, text=True,
+                         env=env, timeout=1800)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    built = [line for line in run.stdout.splitlines() if line.startswith("sm_90a ") and line.endswith(" B")]
+    assert {line.split()[1] for line in built} == {"_routing_kernel", "_gemm1_kernel", "_gemm2_kernel",
+                                                   "_combine_kernel", "_dispatch_kernel", "_barrier_kernel"}
+    for flag in ("FP8=True W4=True", "FP8=True W4=False", "FP8=False W4=True", "FP8=False W4=False"):
+        assert any(flag in line for line in built if "_gemm1_kernel" in line), flag  # all four schemes
+    assert all(int(line.split()[-2]) > 0 for line in built) and "FAILED" not in run.stdout
+    assert f"{len(built)} of {len(built)} builds passed" in run.stdout
+
+
+def test_compile_all_reports_a_failing_build():
+    # a build that raises is reported by name and fails the run (exit 1), the others still build;
+    # --kernels keeps only the named kernels, and names one that is never launched as an error
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'scripts')!r})\n"
+            "import compile_all\n"
+            "real = compile_all.compile_one\n"
+            "def planted(kernel, *a):\n"
+            "    if kernel.__name__ == '_barrier_kernel':\n"
+            "        raise RuntimeError('planted')\n"
+            "    return real(kernel, *a)\n"
+            "compile_all.compile_one = planted\n"
+            "sys.exit(compile_all.main(['--kernels', '_barrier_kernel', '_gemm1_kernel']))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=1800)
+    assert run.returncode == 1, run.stdout[-2000:] + run.stderr[-2000:]
+    failed = [line for line in run.stdout.splitlines() if "FAILED RuntimeError: planted" in line]
+    assert failed and all("_barrier_kernel" in line for line in failed)
+    assert any(line.startswith("sm_90a _gemm1_kernel") and line.endswith(" B") for line in run.stdout.splitlines())
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_all.py"), "--kernels", "_nope"],
+                         capture_output=True, text=True, env=env, timeout=1800)
+    assert run.returncode == 2 and "_nope not launched" in run.stderr

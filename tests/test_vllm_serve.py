@@ -24,11 +24,12 @@ Qwen3-MoE's CPU attention is batch-invariant here, so its prompts go as one batc
 
 The matrix (CI has 2 cores; each start costs about 1-2.5 minutes there, compiled starts the
 most): Qwen3-MoE compiled with flag off (reference), ATOM_USE_FLYDSL=1 and, on DP 2 + EP 2,
-ATOM_USE_FLYDSL_FUSED=1 (MegaMoE); DeepSeek-V3 eager with flag off and ATOM_USE_FLYDSL=1; the
-planted bug on Qwen3-MoE eager. ATOM_USE_FLYDSL_FUSED=1 at one rank is the experts path with
-another flag value (nothing to dispatch) and DP 2 with ATOM_USE_FLYDSL=1 cannot run on the CPU
-(vLLM's naive DP dispatch has no CPU kernel; docs/vllm.md), so neither is served here.
-ATOM_MOE_SERVE_FULL=1 adds DeepSeek-V3 compiled and Qwen3-MoE eager with each flag;
+ATOM_USE_FLYDSL_FUSED=1 (MegaMoE); DeepSeek-V3 eager with flag off, ATOM_USE_FLYDSL=1 and the
+planted bug (against the same flag-off reference, so the bug costs one eager start).
+ATOM_USE_FLYDSL_FUSED=1 at one rank is the experts path with another flag value (nothing to
+dispatch) and DP 2 with ATOM_USE_FLYDSL=1 cannot run on the CPU (vLLM's naive DP dispatch has
+no CPU kernel; docs/vllm.md), so neither is served here. ATOM_MOE_SERVE_FULL=1 adds DeepSeek-V3
+compiled and Qwen3-MoE eager with each flag;
 ATOM_MOE_SERVE_ONLY=name,name runs a subset (list each reference it needs too).
 """
 
@@ -218,12 +219,12 @@ MATRIX = [
     ("qwen-compiled-fused-dp2ep2", "qwen3moe", False, {"ATOM_USE_FLYDSL_FUSED": "1"}, 2, None),
     ("dsv3-eager-off", "dsv3", True, {}, 1, None),
     ("dsv3-eager-experts", "dsv3", True, {"ATOM_USE_FLYDSL": "1"}, 1, None),
-    ("qwen-eager-off", "qwen3moe", True, {}, 1, None),
-    ("qwen-eager-planted", "qwen3moe", True, {"ATOM_USE_FLYDSL": "1"}, 1, "gate_up_swap"),
+    ("dsv3-eager-planted", "dsv3", True, {"ATOM_USE_FLYDSL": "1"}, 1, "gate_up_swap"),
 ]
 FULL = [
     ("dsv3-compiled-off", "dsv3", False, {}, 1, None),
     ("dsv3-compiled-experts", "dsv3", False, {"ATOM_USE_FLYDSL": "1"}, 1, None),
+    ("qwen-eager-off", "qwen3moe", True, {}, 1, None),
     ("qwen-eager-experts", "qwen3moe", True, {"ATOM_USE_FLYDSL": "1"}, 1, None),
     ("qwen-eager-fused", "qwen3moe", True, {"ATOM_USE_FLYDSL_FUSED": "1"}, 1, None),
 ]

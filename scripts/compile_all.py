@@ -1,0 +1,196 @@
+"""Compile every Triton kernel our ops launch, with the arguments they launch it with, for a GPU this
+machine does not have (sm_90a: H100/H200; gfx942, gfx950: MI300X, MI355X). No GPU needed.
+
+    python scripts/compile_all.py                      # sm_90a, every kernel and tile variant
+    python scripts/compile_all.py --target gfx942 gfx950
+
+The real launchers run on small CPU tensors with Triton's launch replaced by a recorder: the
+experts step (routing, GEMM1, GEMM2, the separate combine) for every scheme and every tile
+variant the tables or the heuristic can pick (scripts/hip_compile.py's list), and MegaMoE's
+symm transport (dispatch, barrier, combine) with two simulated ranks. Each distinct (kernel, argument types, compile-time values, warps, stages) is then
+compiled for each target, with the interpreter's workarounds (INTERP, EMULATE) off, as a GPU
+build has them. Kernel outputs are never computed: nothing here checks numbers (the
+interpreter tests do); it catches what only a GPU compile would (a triton upgrade that no
+longer lowers a kernel, a tile that does not fit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+if os.environ.get("TRITON_INTERPRET") == "1":  # @triton.jit would give interpreter functions, not compilable ones
+    sys.exit("compile_all.py compiles the real kernels: run it without TRITON_INTERPRET=1")
+
+import hip_compile  # noqa: E402  (the tile variants the tables and the heuristic can pick)
+
+from atom_moe.kernels import common as kcommon  # noqa: E402
+from atom_moe.kernels import gemm1, gemm2, mxfp4, routing, transport, tuning  # noqa: E402
+
+TARGETS = {"sm_90a": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942", 64),
+           "gfx950": GPUTarget("hip", "gfx950", 64)}
+INTERPRETER_SWITCHES = ("INTERP", "EMULATE")  # constexprs that only the interpreter sets True
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+           torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8", torch.int16: "i16", torch.bool: "i1",
+           torch.float8_e4m3fn: "fp8e4nv"}
+
+launches: dict[tuple, tuple] = {}  # key -> (kernel, signature, constexprs, divisible args, options)
+
+
+def _arg_type(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + _DTYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -2**31 <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {type(value).__name__}")
+
+
+def _divisible(value) -> bool:
+    """Triton's launcher specializes 16-aligned pointers and ints divisible by 16; so do we."""
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr() % 16 == 0
+    return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
+
+
+def _record(self: JITFunction, *args, grid, warmup, **kwargs):
+    """Stands in for JITFunction.run: note the launch's signature, launch nothing."""
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    bound = dict(zip(self.arg_names, args))
+    bound.update(kwargs)
+    sig, ce, div = {}, {}, []
+    for p in self.params:
+        value = bound.get(p.name, p.default)
+        if isinstance(value, tl.constexpr):
+            value = value.value
+        if p.is_constexpr or value is None:
+            ce[p.name] = False if p.name in INTERPRETER_SWITCHES else value
+            continue
+        sig[p.name] = _arg_type(value)
+        if _divisible(value):
+            div.append(p.name)
+    key = (self.__name__, tuple(sig.items()), tuple(sorted(ce.items(), key=lambda kv: kv[0])),
+           tuple(div), tuple(sorted(options.items())))
+    launches.setdefault(key, (self, sig, ce, div, options))
+
+
+def _exercise() -> None:
+    """Run every launcher the ops use, with the recorder in place of Triton's launch."""
+    from atom_moe.ep.simulate import SimulatedSymmGroup
+    from atom_moe.ep.symm import FUSED, SPLIT
+    from atom_moe.experts import fused_experts
+    from atom_moe.spec import MoESpec
+    from atom_moe.tools.synthetic import random_layer, random_tokens
+    from atom_moe.weights import prepare_stacked
+
+    g = torch.Generator().manual_seed(0)
+    H, I, E, K, T = 256, 256, 8, 4, 16
+    configs = _table_configs()
+    for scheme in hip_compile.SCHEMES:
+        spec = MoESpec.create(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, scheme=scheme,
+                              max_tokens_per_rank=T)
+        raw = random_layer(spec, generator=g)
+        weights = prepare_stacked(spec, raw.w13, raw.w2, layout="separated")
+        x, w, ids = random_tokens(spec, T, generator=g)
+        fused_experts(x, w, ids, weights, spec)  # the table's or heuristic's own pick
+        fused_experts(x, w, ids, weights, spec, combine="separate")
+        for config in configs.get(scheme, ()):
+            fused_experts(x, w, ids, weights, spec, config=config)
+        for wire in ("bf16", "fp8") if spec.scheme.fp8_activations else ("bf16",):
+            specs = [spec.for_rank(r, 2) for r in range(2)]
+            mine = [prepare_stacked(s, raw.w13, raw.w2, layout="separated") for s in specs]
+            group = SimulatedSymmGroup(specs, T, wire)
+            xs, ws, ts = zip(*(random_tokens(spec, T, generator=g) for _ in specs))
+            outs = [torch.empty_like(xi) for xi in xs]
+            group.forward(mine, list(xs), list(ws), list(ts), outs, [FUSED, SPLIT])
+
+
+def _table_configs() -> dict[str, list[tuning.TileConfig]]:
+    """Every TileConfig hip_compile's variant list is made of, per scheme."""
+    import csv
+    out: dict[str, set] = {}
+    for path in sorted(tuning.CONFIG_DIR.glob("*.csv")):
+        with open(path, newline="") as fh:
+            for row in csv.DictReader(fh):
+                out.setdefault(row["scheme"], set()).add(
+                    tuning.TileConfig(*(int(row[c]) for c in tuning.CONFIG_COLUMNS)))
+    from atom_moe.presets import PRESETS
+    for spec in PRESETS.values():
+        for scheme in hip_compile.SCHEMES:
+            for tokens in hip_compile.TOKENS:
+                out.setdefault(scheme, set()).add(tuning.heuristic(
+                    scheme, spec.hidden_size, spec.intermediate_size, spec.num_experts, spec.top_k, tokens))
+    return {k: sorted(v, key=str) for k, v in out.items()}
+
+
+def compile_one(kernel: JITFunction, sig: dict, ce: dict, div: list, options: dict, target: GPUTarget) -> int:
+    """Build one recorded launch for `target`; return the binary's size in bytes."""
+    names = list(kernel.arg_names)
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in div}
+    src = ASTSource(kernel, {**{n: ("constexpr" if n in ce else sig[n]) for n in names}}, constexprs=ce, attrs=attrs)
+    compiled = triton.compile(src, target=target, options=dict(options))
+    binary = compiled.asm.get("cubin") or compiled.asm.get("hsaco") or b""
+    if not binary:
+        raise RuntimeError("no binary produced")
+    return len(binary)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Record every launch, compile each for every target, print one line each; exit 1 on any failure."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", nargs="+", default=["sm_90a"], choices=list(TARGETS))
+    p.add_argument("--kernels", nargs="+", metavar="NAME", help="build only these kernels (default: all)")
+    args = p.parse_args(argv)
+    JITFunction.run = _record
+    os.environ["TRITON_INTERPRET"] = "1"  # only so the ops accept CPU tensors; the kernels stay compilable
+    for mod in (kcommon, gemm1, gemm2, mxfp4, routing, transport):
+        if hasattr(mod, "interpreting"):
+            mod.interpreting = lambda: False
+    start = time.time()
+    _exercise()
+    os.environ.pop("TRITON_INTERPRET")
+    print(f"{len(launches)} distinct launches recorded from {len({k[0] for k in launches})} kernels "
+          f"in {time.time() - start:.0f} s", flush=True)
+    if args.kernels:
+        unknown = set(args.kernels) - {k[0] for k in launches}
+        if unknown:
+            p.error(f"--kernels: {', '.join(sorted(unknown))} not launched; launched: "
+                    f"{', '.join(sorted({k[0] for k in launches}))}")
+        for key in [k for k in launches if k[0] not in args.kernels]:
+            del launches[key]
+    failed = 0
+    for target in args.target:
+        if TARGETS[target].backend == "hip":
+            mxfp4.PRMT_OK = tl.constexpr(False)  # what a ROCm torch sets: no PTX byte permute there
+        for key, (kernel, sig, ce, div, options) in sorted(launches.items(), key=lambda kv: str(kv[0])):
+            what = f"{target} {kernel.__name__} {options} " + " ".join(
+                f"{k}={v}" for k, v in ce.items() if k.isupper() and v is not None and not callable(v))
+            try:
+                size = compile_one(kernel, sig, ce, div, options, TARGETS[target])
+                print(f"{what}: {size} B", flush=True)
+            except Exception as exc:  # report every failing launch, then fail the run
+                failed += 1
+                print(f"{what}: FAILED {type(exc).__name__}: {str(exc)[:400]}", flush=True)
+    total = len(launches) * len(args.target)
+    print(f"{total - failed} of {total} builds passed for {', '.join(args.target)} in {time.time() - start:.0f} s "
+          f"(triton {triton.__version__})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
