@@ -11,6 +11,7 @@ tests/vllm_worker.py processes brought up through vLLM's distributed init.
 from __future__ import annotations
 
 import gc
+import inspect
 import itertools
 import logging
 import os
@@ -235,8 +236,9 @@ def test_bad_flag_value_is_a_clear_error():
                           env={**os.environ, "ATOM_USE_FLYDSL": "maybe"}, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0
     assert "ATOM_USE_FLYDSL='maybe' is not a boolean" in proc.stderr
-    proc = subprocess.run([sys.executable, "-P", "-c", "from vllm.plugins import load_general_plugins; load_general_plugins()"],
-                          env={**os.environ, "ATOM_MOE_MXFP4_ACT": "int4"}, capture_output=True, text=True, timeout=600)
+    code = "from vllm.plugins import load_general_plugins; load_general_plugins()"
+    proc = subprocess.run([sys.executable, "-P", "-c", code], env={**os.environ, "ATOM_MOE_MXFP4_ACT": "int4"},
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0
     assert "ATOM_MOE_MXFP4_ACT='int4'; allowed: bf16 (a16w4), fp8 (a8w4)" in proc.stderr
 
@@ -321,9 +323,13 @@ def _mxfp4_layer_run(cfg, seed: int, monkeypatch):
     assert not [n for n, _ in experts.named_parameters() if n.startswith(("w13", "w2"))]
     given = []
     real = m.AtomMoEMethod.apply
-    monkeypatch.setattr(m.AtomMoEMethod, "apply",
-                        lambda self, layer, x, w, ids, *a, **kw: given.append((x, w, ids)) or real(self, layer, x, w,
-                                                                                                ids, *a, **kw))
+
+    def spy(self, *args, **kwargs):  # vLLM may pass apply's arguments by name or by position
+        bound = inspect.signature(real).bind(self, *args, **kwargs).arguments
+        given.append((bound["x"], bound["topk_weights"], bound["topk_ids"]))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(m.AtomMoEMethod, "apply", spy)
     x, logits = torch.randn(37, H, generator=gen).bfloat16(), torch.randn(37, E, generator=gen)
     out = forward(cfg, runner, x, logits)
     assert len(given) == 1

@@ -5,7 +5,8 @@ vLLM loads `register` through the `vllm.general_plugins` entry point in every pr
 it returns at once and vLLM runs unchanged. With a flag set it registers, once per
 process, an out-of-tree `RoutedExperts` (a vLLM PluggableLayer, replaceable through
 `register_oot`) whose quant-method choice wraps vLLM's bf16, fp8-block and gpt-oss MXFP4
-methods with ours (MXFP4 as a16w4 or a8w4, by ATOM_MOE_MXFP4_ACT); everything else keeps vLLM's method with one warning per layer type.
+methods with ours (MXFP4 as a16w4 or a8w4, by ATOM_MOE_MXFP4_ACT); everything else keeps
+vLLM's method with one warning per layer type.
 docs/vllm.md has the launch recipes.
 """
 
