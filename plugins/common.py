@@ -22,6 +22,10 @@ FLAG_KERNELS_PATH = "ATOM_FLYDSL_KERNELS_PATH"  # extra tuned tables (read by at
 FLAG_CONFIG_DIR = "ATOM_MOE_CONFIG_DIR"  # its alias; tuning reads both, in this order
 FLAG_TRANSPORT = "ATOM_MOE_TRANSPORT"  # fused mode's EP transport: auto (default), symm or torch
 TRANSPORTS = ("auto", "symm", "torch")
+FLAG_MXFP4_ACT = "ATOM_MOE_MXFP4_ACT"  # activations of MXFP4 expert layers: bf16 (a16w4, default) or fp8 (a8w4)
+# bf16 is the default: on one H200 (docs/perf/after-merge-h200.md) a16w4 is faster from T=128 on
+# and ~20x more accurate; a8w4 wins only at T=1 (docs/vllm.md has the numbers)
+MXFP4_ACTS = {"bf16": Scheme.A16W4, "fp8": Scheme.A8W4}
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
@@ -46,6 +50,12 @@ class Flags:
     mode: Mode
     kernels_path: str | None = None
     transport: str = "auto"
+    mxfp4_act: str = "bf16"  # ATOM_MOE_MXFP4_ACT: a key of MXFP4_ACTS
+
+    @property
+    def mxfp4_scheme(self) -> Scheme:
+        """Our scheme for the engine's MXFP4 expert layers: a16w4 (bf16 activations) or a8w4 (fp8)."""
+        return MXFP4_ACTS[self.mxfp4_act]
 
 
 def _flag(env: Mapping[str, str], name: str) -> bool:
@@ -59,7 +69,9 @@ def _flag(env: Mapping[str, str], name: str) -> bool:
 
 
 def parse_flags(env: Mapping[str, str] | None = None) -> Flags:
-    """Read ATOM_USE_FLYDSL_FUSED / ATOM_USE_FLYDSL / the table folders / ATOM_MOE_TRANSPORT; FlagError on bad values.
+    """Read ATOM_USE_FLYDSL_FUSED / ATOM_USE_FLYDSL / table folders / ATOM_MOE_TRANSPORT / ATOM_MOE_MXFP4_ACT.
+
+    FlagError on bad values.
 
     The table folders are ATOM_FLYDSL_KERNELS_PATH then its alias ATOM_MOE_CONFIG_DIR, the
     order atom_moe.kernels.tuning reads them in; a folder that does not exist is an error.
@@ -79,7 +91,11 @@ def parse_flags(env: Mapping[str, str] | None = None) -> Flags:
     transport = env.get(FLAG_TRANSPORT, "").strip().lower() or "auto"
     if transport not in TRANSPORTS:
         raise FlagError(f"{FLAG_TRANSPORT}={env.get(FLAG_TRANSPORT)!r}; allowed: {', '.join(TRANSPORTS)}")
-    return Flags(mode, path, transport)
+    act = env.get(FLAG_MXFP4_ACT, "").strip().lower() or "bf16"
+    if act not in MXFP4_ACTS:
+        raise FlagError(f"{FLAG_MXFP4_ACT}={env.get(FLAG_MXFP4_ACT)!r}; allowed: "
+                        + ", ".join(f"{k} ({v.value})" for k, v in MXFP4_ACTS.items()))
+    return Flags(mode, path, transport, act)
 
 
 def fused_transport(flags: Flags, ep_size: int, device: torch.device, backend: str, spec: MoESpec) -> str:
@@ -118,6 +134,12 @@ def startup_line(engine: str, engine_version: str, flags: Flags, detail: str = "
     line = (f"atom_moe {v['atom_moe']} active in {engine} {engine_version} (torch {v['torch']}, "
             f"triton {v['triton']}): {what}; tuned tables: {tables}")
     return f"{line}; {detail}" if detail else line
+
+
+def schemes_detail(flags: Flags, mxfp4_models: str) -> str:
+    """The start-up line's list of the schemes we take, naming what MXFP4 layers run as."""
+    return (f"schemes: bf16, fp8 (128x128 blocks), mxfp4 ({mxfp4_models}) as {flags.mxfp4_scheme.value} "
+            f"({FLAG_MXFP4_ACT}={flags.mxfp4_act})")
 
 
 _warned: set[str] = set()

@@ -64,8 +64,11 @@ def hf_checkpoint(scheme: str, gen: torch.Generator, num_experts: int, hidden: i
 
 
 def activation_of(scheme: str) -> Activation:
-    """The layers' activation: gpt-oss's clamped SwiGLU for the MXFP4 (gpt-oss style) layer, else SiLU."""
-    return Activation(ActivationKind.SWIGLU_OAI, 1.702, 7.0) if scheme == "mxfp4" else Activation()
+    """The layers' activation: gpt-oss's clamped SwiGLU for the MXFP4 (gpt-oss style) layer, else SiLU.
+
+    "a8w4" names that MXFP4 layer run with ATOM_MOE_MXFP4_ACT=fp8 (the multi-rank workers' scheme argument).
+    """
+    return Activation(ActivationKind.SWIGLU_OAI, 1.702, 7.0) if scheme in ("mxfp4", "a8w4") else Activation()
 
 
 def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -78,6 +81,33 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
     bound = 2e-2 * scale + 2e-2 * ref.abs()
     bad = (err > bound).sum().item()
     assert bad == 0, f"{bad} of {err.numel()} elements off; max error {err.max().item():.4g}, scale {scale:.4g}"
+
+
+def a8w4_spec(num_experts: int, hidden: int, top_k: int):
+    """The gpt-oss style test layer as our a8w4 scheme sees it, built here (not read from a plugin's plan)."""
+    from atom_moe.spec import MoESpec, Scheme
+
+    return MoESpec(hidden_size=hidden, intermediate_size=INTER["mxfp4"], num_experts=num_experts, top_k=top_k,
+                   scheme=Scheme.A8W4, activation=activation_of("mxfp4"), has_bias=True)
+
+
+def our_mxfp4_twin(tensors: dict, spec, x, topk_weights, topk_ids) -> torch.Tensor:
+    """Our torch twin on weights we prepare ourselves from the gpt-oss checkpoint tensors (atom_moe.checkpoint,
+    not the engine's loader), in spec's MXFP4 scheme (a16w4 or a8w4)."""
+    from atom_moe.checkpoint.gpt_oss import prepare_gpt_oss
+    from atom_moe.experts_torch import experts_torch
+
+    weights = prepare_gpt_oss(spec, {f"experts.{k}": v for k, v in tensors.items()}, "experts")
+    return experts_torch(x, topk_weights, topk_ids, weights, spec)
+
+
+def assert_bitwise(out: torch.Tensor, want: torch.Tensor) -> None:
+    """Every element of out equal to want's, bit for bit (same scheme, same weights, same routing)."""
+    assert out.shape == want.shape and out.dtype == want.dtype, (out.shape, out.dtype, want.shape, want.dtype)
+    bad = (out.view(torch.int16) != want.view(torch.int16)).sum().item() if out.dtype == torch.bfloat16 else \
+        (out != want).sum().item()
+    assert bad == 0, (f"{bad} of {out.numel()} elements differ; max |diff| "
+                      f"{(out.float() - want.float()).abs().max().item():.4g}")
 
 
 def check_limit_error(build: Callable[[], object], flag: str, too_large: int, spec, ep: int, **limits) -> None:
@@ -111,8 +141,9 @@ def engine_env_python(script: str, *args: str) -> str:
 
 def run_engine_suite(python: str, cases: str, label: str, min_passed: int, **env_vars: str) -> None:
     """Run tests/<cases> under `python` with ATOM_USE_FLYDSL=1; every case must pass, none skipped."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ATOM_USE_FLYDSL", "ATOM_FLYDSL"))}
-    env.update(ATOM_USE_FLYDSL="1", **env_vars)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("ATOM_USE_FLYDSL", "ATOM_FLYDSL", "ATOM_MOE_MXFP4_ACT"))}
+    env.update(ATOM_USE_FLYDSL="1", **env_vars)  # MXFP4 layers at the default (a16w4) unless a case sets it
     env.pop("TRITON_INTERPRET", None)  # the engines' CPU path is experts_torch; cases that need it set it
     # -P: keep the checkout root off sys.path, so a stale in-tree *.egg-info cannot hide our entry point
     proc = subprocess.run([python, "-P", "-m", "pytest", f"tests/{cases}", "-q", "-p", "no:cacheprovider",

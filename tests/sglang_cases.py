@@ -97,13 +97,25 @@ def test_flag_off_changes_nothing():
     assert "active in SGLang" not in proc.stderr  # no start-up line without a flag
 
 
-def test_startup_line_names_the_mode():
+@pytest.mark.parametrize("act, shown", [(None, "mxfp4 (gpt-oss style) as a16w4 (ATOM_MOE_MXFP4_ACT=bf16)"),
+                                         ("fp8", "mxfp4 (gpt-oss style) as a8w4 (ATOM_MOE_MXFP4_ACT=fp8)")])
+def test_startup_line_names_the_mode(act, shown):
     code = "from sglang.srt.plugins import load_plugins; load_plugins()"
-    proc = subprocess.run([sys.executable, "-P", "-c", code], env=dict(os.environ, ATOM_USE_FLYDSL_FUSED="1"),
-                          capture_output=True, text=True, timeout=600)
+    env = dict(os.environ, ATOM_USE_FLYDSL_FUSED="1")
+    env.pop("ATOM_MOE_MXFP4_ACT", None)
+    env.update({"ATOM_MOE_MXFP4_ACT": act} if act else {})
+    proc = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [ln for ln in proc.stderr.splitlines() if "atom_moe 0" in ln and "active in SGLang" in ln]
     assert len(lines) == 1 and "ATOM_USE_FLYDSL_FUSED=1" in lines[0], proc.stderr[-3000:]
+    assert shown in lines[0], lines[0]
+
+
+def test_bad_mxfp4_act_stops_start_up():
+    code = "from sglang.srt.plugins import load_plugins; load_plugins()"
+    proc = subprocess.run([sys.executable, "-P", "-c", code], env=dict(os.environ, ATOM_MOE_MXFP4_ACT="int4"),
+                          capture_output=True, text=True, timeout=600)
+    assert "ATOM_MOE_MXFP4_ACT='int4'; allowed: bf16 (a16w4), fp8 (a8w4)" in proc.stderr, proc.stderr[-3000:]
 
 
 # ---------------------------------------------------------------- layers, weights, forward
@@ -216,6 +228,79 @@ def test_deepep_moe_falls_through_to_our_hook(runtime):
     c.assert_matches(out, c.expected("fp8", x, w, ids, ref))
 
 
+# ---------------------------------------------------------------- MXFP4 as a8w4 (ATOM_MOE_MXFP4_ACT=fp8)
+@pytest.fixture
+def mxfp4_act(monkeypatch):
+    """Set ATOM_MOE_MXFP4_ACT and hand the hooks the flags register() would read from it (it runs once)."""
+    from atom_moe.plugins.common import parse_flags
+
+    def use(value: str) -> None:
+        monkeypatch.setenv("ATOM_MOE_MXFP4_ACT", value)
+        monkeypatch.setattr(hooks, "_flags", parse_flags())
+
+    return use
+
+
+def _mxfp4_layer_run(salt: int):
+    """A gpt-oss style FusedMoE through SGLang's loaders and forward: (state, out, x, w, ids, tensors, ref)."""
+    layer = c.build("mxfp4")
+    tensors, ref = c.checkpoint("mxfp4", _gen(salt))
+    assert c.load(layer, "mxfp4", tensors) > 0
+    originals = [weakref.ref(p) for n, p in layer.named_parameters() if n.startswith(("w13", "w2"))]
+    assert len(originals) == 6  # blocks, scales, biases of w13 and w2
+    c.process(layer)
+    gc.collect()
+    assert all(r() is None for r in originals), "SGLang's original MXFP4 parameters are still alive"
+    assert not [n for n, _ in layer.named_parameters() if n.startswith(("w13", "w2"))]
+    gen = _gen(salt + 1)
+    x, logits = torch.randn(31, c.H, generator=gen).bfloat16(), torch.randn(31, c.E, generator=gen)
+    w, ids = c.route(logits)
+    out = layer.forward(x, c.topk_output(w, ids, logits))
+    return layer.atom_moe, out, x, w, ids, tensors, ref
+
+
+def test_mxfp4_fp8_flag_runs_our_a8w4(runtime, mxfp4_act):
+    """ATOM_MOE_MXFP4_ACT=fp8: SGLang's Mxfp4MoEMethod layer is converted once to a8w4's MX quads (SGLang's
+    parameters freed) and returns our a8w4 twin's output bit for bit, on weights we read ourselves."""
+    from dataclasses import replace
+
+    from atom_moe.layouts.gate_up import GateUpKind, GateUpLayout
+    from atom_moe.spec import Scheme
+
+    mxfp4_act("fp8")
+    state, out, x, w, ids, tensors, ref = _mxfp4_layer_run(30)
+    assert state.plan.spec.scheme is Scheme.A8W4  # the scheme that ran ...
+    assert state.plan.layout is GateUpLayout.INTERLEAVED  # SGLang's gate_up_interleaved (gpt-oss rows)
+    assert state.weights.scheme is Scheme.A8W4 and state.weights.w13.kind is GateUpKind.MX_QUADS  # ... its layout
+    assert state.weights.w13_rowexp is not None and state.weights.w2_rowexp is not None
+    spec = c.a8w4_spec(c.E, c.H, c.K)
+    c.assert_bitwise(out, c.our_mxfp4_twin(tensors, spec, x, w, ids))
+    c.assert_matches(out, c.expected("a8w4", x, w, ids, ref))  # the fp32 oracle with a8w4's activation quant
+    a16 = c.our_mxfp4_twin(tensors, replace(spec, scheme=Scheme.A16W4), x, w, ids)
+    with pytest.raises(AssertionError, match="elements differ"):  # the bitwise check tells the schemes apart
+        c.assert_bitwise(out, a16)
+
+
+@pytest.mark.parametrize("plant", ["a16w4_ran", "gate_up_swap"])
+def test_planted_bug_fails_the_a8w4_check(runtime, mxfp4_act, monkeypatch, plant):
+    """The check above must catch a16w4 running where fp8 was asked, and gate/up rows mispaired at load."""
+    from dataclasses import replace
+
+    from atom_moe.layouts.gate_up import GateUpLayout
+    from atom_moe.spec import Scheme
+
+    if plant == "a16w4_ran":
+        mxfp4_act("bf16")  # the planted bug: the fp8 request never reached the layer
+    else:
+        mxfp4_act("fp8")
+        real = hooks.plan_layer  # the planted bug: SGLang's interleaved rows read as separated halves
+        monkeypatch.setattr(hooks, "plan_layer", lambda *a: replace(real(*a), layout=GateUpLayout.SEPARATED))
+    state, out, x, w, ids, tensors, _ = _mxfp4_layer_run(32)
+    assert state.plan.spec.scheme is (Scheme.A16W4 if plant == "a16w4_ran" else Scheme.A8W4)
+    with pytest.raises(AssertionError, match="elements differ"):
+        c.assert_bitwise(out, c.our_mxfp4_twin(tensors, c.a8w4_spec(c.E, c.H, c.K), x, w, ids))
+
+
 # ---------------------------------------------------------------- fallback and limits
 def test_unsupported_layer_falls_back_with_one_warning(runtime, caplog):
     caplog.set_level(logging.WARNING, logger="sglang.atom_moe")
@@ -236,7 +321,7 @@ def test_chunked_prefill_too_large_names_largest_safe_value():
 
 # ---------------------------------------------------------------- two ranks
 @pytest.mark.parametrize("mode,scheme", [("tp_ep", "bf16"), ("tp_ep", "mxfp4"), ("dp_ep", "bf16"),
-                                         ("dp_ep", "fp8")])
+                                         ("dp_ep", "fp8"), ("dp_ep", "a8w4")])
 def test_two_ranks(mode, scheme):
     _run_ranks(mode, scheme, world=2)
 

@@ -13,12 +13,13 @@ import socket
 
 import torch
 
-from engine_common import INTER, SCHEMES, activation_of, assert_matches, hf_checkpoint  # noqa: F401 (the cases use them as c.*)
+from engine_common import (INTER, SCHEMES, a8w4_spec, activation_of, assert_bitwise, assert_matches,  # noqa: F401
+                           hf_checkpoint, our_mxfp4_twin)  # (the cases use them as c.*)
 from atom_moe.reference import ReferenceWeights, reference_moe
 from atom_moe.spec import Scheme
 
 E, K, H = 8, 2, 256
-SCALE = {"bf16": 1.0, "fp8": 2.5, "mxfp4": 1.0}  # DeepSeek-style routed_scaling_factor on the fp8 layer
+SCALE = {"bf16": 1.0, "fp8": 2.5, "mxfp4": 1.0, "a8w4": 1.0}  # DeepSeek-style routed_scaling_factor on fp8
 _ids = itertools.count()
 
 
@@ -143,7 +144,10 @@ def topk_output(w: torch.Tensor, ids: torch.Tensor, logits: torch.Tensor):
 
 
 def expected(scheme: str, x, w, ids, ref: ReferenceWeights, experts=None) -> torch.Tensor:
-    """SGLang's semantics: routed_scaling_factor times the weighted expert sum."""
+    """SGLang's semantics: routed_scaling_factor times the weighted expert sum.
+
+    "a8w4" is the MXFP4 layer run with ATOM_MOE_MXFP4_ACT=fp8: the reference quantizes activations as a8w4 does.
+    """
     out = reference_moe(x, w, ids.long(), ref, activation_of(scheme), experts=experts,
-                        act_quant=Scheme.FP8 if scheme == "fp8" else None)
+                        act_quant={"fp8": Scheme.FP8, "a8w4": Scheme.A8W4}.get(scheme))
     return out * SCALE[scheme]

@@ -20,6 +20,9 @@ import sys
 
 mode, scheme, rank, world, port, seed = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
 os.environ["ATOM_USE_FLYDSL_FUSED" if mode == "dp_ep" else "ATOM_USE_FLYDSL"] = "1"
+# SCHEME a8w4: the MXFP4 (gpt-oss style) checkpoint with ATOM_MOE_MXFP4_ACT=fp8
+ckpt = "mxfp4" if scheme == "a8w4" else scheme
+os.environ["ATOM_MOE_MXFP4_ACT"] = "fp8" if scheme == "a8w4" else "bf16"
 # MODE limit (WORLD 1): --chunked-prefill-size 4194304 at H=7168 must fail naming the largest safe value.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -70,13 +73,15 @@ def main() -> None:
 
     assert get_moe_a2a_backend().is_megamoe() == dp and is_moe_input_scattered_across_dp_ranks() == dp
     per = c.E // world
-    tensors, ref = c.checkpoint(scheme, torch.Generator().manual_seed(seed))  # same weights on every rank
+    tensors, ref = c.checkpoint(ckpt, torch.Generator().manual_seed(seed))  # same weights on every rank
     layers = {}
     for reduce in (False, True):
-        layer = c.build(scheme, reduce_results=reduce)
-        assert c.load(layer, scheme, tensors) > 0
+        layer = c.build(ckpt, reduce_results=reduce)
+        assert c.load(layer, ckpt, tensors) > 0
         c.process(layer)
         state = layer.atom_moe
+        if ckpt == "mxfp4":
+            assert state.plan.spec.scheme.value == ("a8w4" if scheme == "a8w4" else "a16w4"), state.plan.spec
         # local experts come from SGLang's placement: E/world contiguous per rank
         assert state.plan.spec.local_experts == tuple(range(rank * per, (rank + 1) * per)), state.plan.spec
         assert state.weights.num_local_experts == per and state.plan.fused == dp

@@ -163,6 +163,11 @@ def test_cli_prints_plan_and_engine_flags(capsys):
             "--max-num-batched-tokens 256") in _flags(out, "vllm")
     assert "--max-num-seqs 256 --compilation-config '{\"max_cudagraph_capture_size\": 256}'" in _flags(out, "vllm")
     assert "--tp-size 1 --disable-shared-experts-fusion --chunked-prefill-size 256" in _flags(out, "sglang")
+    assert "ATOM_MOE_MXFP4_ACT" not in out  # the checkpoint's MXFP4 runs as a16w4, the plugins' default
+    assert main(["plan", "gpt-oss-120b", "--gpu-memory-gib", "140", "--tokens", "256", "--scheme", "a8w4"]) == 0
+    out = capsys.readouterr().out  # a8w4 must be asked for: the printed commands set the plugins' flag
+    for engine in ("vllm", "sglang"):
+        assert _flags(out, engine).split(":", 1)[1].strip().startswith("ATOM_USE_FLYDSL=1 ATOM_MOE_MXFP4_ACT=fp8 ")
 
 
 def test_cli_exit_1_when_the_budget_overflows(capsys):

@@ -144,3 +144,32 @@ def test_transport_flag_and_choice():
     assert common.fused_transport(auto, 2, cuda, "torch", spec) == "torch"  # symm needs the Triton experts
     assert common.fused_transport(auto, 2, cpu, "triton", spec) == "torch"
     assert common.fused_transport(forced, 1, cuda, "triton", spec) == "local"
+
+
+@pytest.mark.parametrize("value, act, scheme", [
+    (None, "bf16", Scheme.A16W4),  # the default: a16w4 (docs/vllm.md: faster from T=128 on, ~20x more accurate)
+    ("", "bf16", Scheme.A16W4),
+    ("bf16", "bf16", Scheme.A16W4),
+    (" FP8 ", "fp8", Scheme.A8W4),
+])
+def test_mxfp4_act_flag_picks_the_mxfp4_scheme(value, act, scheme):
+    env = {"ATOM_USE_FLYDSL": "1"} | ({} if value is None else {"ATOM_MOE_MXFP4_ACT": value})
+    flags = parse_flags(env)
+    assert flags.mxfp4_act == act and flags.mxfp4_scheme is scheme
+
+
+@pytest.mark.parametrize("value", ["fp4", "e4m3", "a8w4", "1"])
+def test_bad_mxfp4_act_names_the_value_and_what_is_allowed(value):
+    with pytest.raises(FlagError) as info:
+        parse_flags({"ATOM_USE_FLYDSL": "1", "ATOM_MOE_MXFP4_ACT": value})
+    assert str(info.value) == f"ATOM_MOE_MXFP4_ACT={value!r}; allowed: bf16 (a16w4), fp8 (a8w4)"
+
+
+@pytest.mark.parametrize("value, shown", [(None, "as a16w4 (ATOM_MOE_MXFP4_ACT=bf16)"),
+                                          ("fp8", "as a8w4 (ATOM_MOE_MXFP4_ACT=fp8)")])
+def test_startup_line_names_the_mxfp4_scheme(value, shown):
+    flags = parse_flags({"ATOM_USE_FLYDSL": "1"} | ({} if value is None else {"ATOM_MOE_MXFP4_ACT": value}))
+    line = common.startup_line("SGLang", "0.5.23", flags, common.schemes_detail(flags, "gpt-oss"))
+    assert line.endswith(f"; schemes: bf16, fp8 (128x128 blocks), mxfp4 (gpt-oss) {shown}"), line
+    other = "a8w4" if "a16w4" in shown else "a16w4"
+    assert other not in line

@@ -11,6 +11,7 @@ tests/vllm_worker.py processes brought up through vLLM's distributed init.
 from __future__ import annotations
 
 import gc
+import inspect
 import itertools
 import logging
 import os
@@ -36,7 +37,8 @@ from vllm.model_executor.layers.quantization.fp8 import Fp8Config, Fp8MoEMethod 
 from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4Config  # noqa: E402
 from vllm.plugins import load_general_plugins  # noqa: E402
 
-from engine_common import INTER, SCHEMES, activation_of, assert_matches, hf_checkpoint  # noqa: E402
+from engine_common import (INTER, SCHEMES, a8w4_spec, activation_of, assert_bitwise, assert_matches,  # noqa: E402
+                           hf_checkpoint, our_mxfp4_twin)
 from atom_moe.layouts.gate_up import GateUpKind, GateUpLayout  # noqa: E402
 from atom_moe.reference import ReferenceWeights, reference_moe  # noqa: E402
 from atom_moe.spec import MoESpec, Scheme  # noqa: E402
@@ -153,9 +155,10 @@ def route(logits: torch.Tensor, k: int = K) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def expected(scheme: str, x, logits, ref: ReferenceWeights, experts=None) -> torch.Tensor:
+    """The fp32 reference, with the scheme's activation quant (fp8; "a8w4": the MXFP4 layer on fp8 activations)."""
     w, ids = route(logits)
     return reference_moe(x, w, ids, ref, activation_of(scheme), experts=experts,
-                         act_quant=Scheme.FP8 if scheme == "fp8" else None)
+                         act_quant={"fp8": Scheme.FP8, "a8w4": Scheme.A8W4}.get(scheme))
 
 
 def forward(cfg, runner, x, logits):
@@ -217,12 +220,15 @@ def test_flag_off_gives_vllms_own_classes():
     assert "atom_moe" not in out  # no start-up line, no warning: nothing changed
 
 
-def test_flag_on_logs_one_startup_line_per_process():
-    out = _run_snippet(SNIPPET, {"ATOM_USE_FLYDSL": "1"})
+@pytest.mark.parametrize("act, shown", [(None, "mxfp4 (gpt-oss) as a16w4 (ATOM_MOE_MXFP4_ACT=bf16)"),
+                                         ("fp8", "mxfp4 (gpt-oss) as a8w4 (ATOM_MOE_MXFP4_ACT=fp8)")])
+def test_flag_on_logs_one_startup_line_per_process(act, shown):
+    out = _run_snippet(SNIPPET, {"ATOM_USE_FLYDSL": "1"} | ({"ATOM_MOE_MXFP4_ACT": act} if act else {}))
     assert "TYPES atom_moe.plugins.vllm.method AtomRoutedExperts AtomMoEMethod" in out
     lines = [line for line in out.splitlines() if "active in vLLM" in line]
     assert len(lines) == 1, out
     assert f"vLLM {vllm.__version__}" in lines[0] and "ATOM_USE_FLYDSL=1" in lines[0] and "torch" in lines[0]
+    assert shown in lines[0], lines[0]
 
 
 def test_bad_flag_value_is_a_clear_error():
@@ -230,6 +236,11 @@ def test_bad_flag_value_is_a_clear_error():
                           env={**os.environ, "ATOM_USE_FLYDSL": "maybe"}, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0
     assert "ATOM_USE_FLYDSL='maybe' is not a boolean" in proc.stderr
+    code = "from vllm.plugins import load_general_plugins; load_general_plugins()"
+    proc = subprocess.run([sys.executable, "-P", "-c", code], env={**os.environ, "ATOM_MOE_MXFP4_ACT": "int4"},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    assert "ATOM_MOE_MXFP4_ACT='int4'; allowed: bf16 (a16w4), fp8 (a8w4)" in proc.stderr
 
 
 # ---------------------------------------------------------------- construction, loading, forward
@@ -274,6 +285,98 @@ def test_weights_load_release_and_forward(configs, scheme, seed):
     out = forward(cfg, runner, x, logits)
     assert out.dtype == torch.bfloat16
     assert_matches(out, expected(scheme, x, logits, ref))
+
+
+# ---------------------------------------------------------------- MXFP4 as a8w4 (ATOM_MOE_MXFP4_ACT=fp8)
+@pytest.fixture
+def mxfp4_act():
+    """Set ATOM_MOE_MXFP4_ACT and let the entry point read the flags again; bf16 (unset) again afterwards."""
+    import atom_moe.plugins.vllm as plugin
+
+    def use(value: str) -> None:
+        os.environ["ATOM_MOE_MXFP4_ACT"] = value
+        plugin.register()  # install() takes the new flags; the layers built next see them
+
+    yield use
+    os.environ.pop("ATOM_MOE_MXFP4_ACT", None)
+    plugin.register()
+
+
+def _mxfp4_layer_run(cfg, seed: int, monkeypatch):
+    """A gpt-oss style layer through vLLM's factory, loader and runner: (method, out, what it was given, tensors, ref).
+
+    What it was given is the (x, topk_weights, topk_ids) vLLM's router handed our apply, so our own
+    a8w4 twin can be run on exactly the same routing.
+    """
+    from atom_moe.plugins.vllm import method as m
+
+    gen = torch.Generator().manual_seed(seed)
+    runner = build("mxfp4", cfg)
+    tensors, ref = hf_tensors("mxfp4", gen)
+    load(runner, "mxfp4", tensors)
+    experts = runner.routed_experts
+    originals = [weakref.ref(p) for n, p in experts.named_parameters() if n.startswith(("w13", "w2"))]
+    assert len(originals) == 6  # blocks, scales, biases of w13 and w2
+    process(runner)
+    gc.collect()
+    assert all(r() is None for r in originals), "vLLM's original MXFP4 weights are still alive"
+    assert not [n for n, _ in experts.named_parameters() if n.startswith(("w13", "w2"))]
+    given = []
+    real = m.AtomMoEMethod.apply
+
+    def spy(self, *args, **kwargs):  # vLLM may pass apply's arguments by name or by position
+        bound = inspect.signature(real).bind(self, *args, **kwargs).arguments
+        given.append((bound["x"], bound["topk_weights"], bound["topk_ids"]))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(m.AtomMoEMethod, "apply", spy)
+    x, logits = torch.randn(37, H, generator=gen).bfloat16(), torch.randn(37, E, generator=gen)
+    out = forward(cfg, runner, x, logits)
+    assert len(given) == 1
+    w, ids = route(logits)  # vLLM's router picked what an independent softmax top-k picks
+    assert torch.equal(given[0][2].long(), ids) and torch.allclose(given[0][1].float(), w)
+    return experts.quant_method, out, given[0], tensors, ref, (x, logits)
+
+
+def test_mxfp4_fp8_flag_runs_our_a8w4(configs, seed, mxfp4_act, monkeypatch):
+    """ATOM_MOE_MXFP4_ACT=fp8: the gpt-oss layer is converted once to a8w4's MX quads (vLLM's originals
+    freed) and its output is our a8w4 twin's, bit for bit, on weights we read from the checkpoint ourselves."""
+    from dataclasses import replace
+
+    mxfp4_act("fp8")
+    method, out, (x, w, ids), tensors, ref, (x0, logits) = _mxfp4_layer_run(configs["mxfp4"], seed, monkeypatch)
+    assert method.plan.spec.scheme is Scheme.A8W4  # the scheme that ran ...
+    assert method.plan.layout is GateUpLayout.INTERLEAVED  # vLLM's swigluoai rows: gpt-oss pairs
+    prepared = method.weights
+    assert prepared.scheme is Scheme.A8W4 and prepared.w13.kind is GateUpKind.MX_QUADS  # ... in its layout
+    assert prepared.w13_rowexp is not None and prepared.w2_rowexp is not None
+    spec = a8w4_spec(E, H, K)
+    assert_bitwise(out, our_mxfp4_twin(tensors, spec, x, w, ids))
+    # the fp32 oracle on the checkpoint's separated weights, with a8w4's activation quant
+    assert_matches(out, reference_moe(x0, *route(logits), ref, activation_of("mxfp4"), act_quant=Scheme.A8W4))
+    # and a16w4 on the same weights is another result: the bitwise check tells the schemes apart
+    a16 = our_mxfp4_twin(tensors, replace(spec, scheme=Scheme.A16W4), x, w, ids)
+    with pytest.raises(AssertionError, match="elements differ"):
+        assert_bitwise(out, a16)
+
+
+@pytest.mark.parametrize("plant", ["a16w4_ran", "gate_up_swap"])
+def test_planted_bug_fails_the_a8w4_check(configs, seed, mxfp4_act, monkeypatch, plant):
+    """The check above must catch a16w4 running where fp8 was asked, and gate/up rows mispaired at load."""
+    from dataclasses import replace
+
+    from atom_moe.plugins.vllm import method as m
+
+    if plant == "a16w4_ran":
+        mxfp4_act("bf16")  # the planted bug: the fp8 request never reached the layer
+    else:
+        mxfp4_act("fp8")
+        real = m.plan_layer  # the planted bug: vLLM's interleaved rows read as separated halves
+        monkeypatch.setattr(m, "plan_layer", lambda *a: replace(real(*a), layout=GateUpLayout.SEPARATED))
+    method, out, (x, w, ids), tensors, _, _ = _mxfp4_layer_run(configs["mxfp4"], seed, monkeypatch)
+    assert method.plan.spec.scheme is (Scheme.A16W4 if plant == "a16w4_ran" else Scheme.A8W4)
+    with pytest.raises(AssertionError, match="elements differ"):
+        assert_bitwise(out, our_mxfp4_twin(tensors, a8w4_spec(E, H, K), x, w, ids))
 
 
 def test_forward_runs_our_apply_when_custom_ops_are_off(configs, seed, monkeypatch):
@@ -373,9 +476,11 @@ def test_tp_ep_two_ranks(scheme, seed):
     _launch("tp_ep", scheme, seed)
 
 
-@pytest.mark.parametrize("scheme", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("scheme", ["bf16", "mxfp4", "a8w4"])
 def test_dp_ep_fused_two_ranks(scheme, seed):
-    """DP=2 attention + EP=2 with ATOM_USE_FLYDSL_FUSED=1: MegaMoE dispatches; vLLM must not."""
+    """DP=2 attention + EP=2 with ATOM_USE_FLYDSL_FUSED=1: MegaMoE dispatches; vLLM must not.
+
+    a8w4: the gpt-oss layer with ATOM_MOE_MXFP4_ACT=fp8 (MegaMoE on a8w4 weights)."""
     _launch("dp_ep", scheme, seed)
 
 

@@ -2,6 +2,9 @@
 
     python vllm_worker.py MODE SCHEME RANK WORLD PORT SEED
 
+SCHEME is bf16, fp8, mxfp4 (gpt-oss style, a16w4) or a8w4 (that checkpoint with
+ATOM_MOE_MXFP4_ACT=fp8).
+
 MODE tp_ep: TP=WORLD with expert parallelism, DP=1 (ATOM_USE_FLYDSL=1). Every rank gets
 the same tokens; its share (our apply) must equal the reference over its local experts,
 and vLLM's MoERunner output (after vLLM's all-reduce) the full reference.
@@ -23,6 +26,8 @@ for name in ("ATOM_USE_FLYDSL", "ATOM_USE_FLYDSL_FUSED"):
     os.environ.pop(name, None)
 os.environ["ATOM_USE_FLYDSL_FUSED" if mode in ("dp_ep", "dp_ep_limit") else "ATOM_USE_FLYDSL"] = "1"
 os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+ckpt = "mxfp4" if scheme == "a8w4" else scheme  # the checkpoint; a8w4 is our scheme for it, by flag
+os.environ["ATOM_MOE_MXFP4_ACT"] = "fp8" if scheme == "a8w4" else "bf16"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import tempfile  # noqa: E402
@@ -47,7 +52,7 @@ def main() -> None:
                             enable_expert_parallel=True)
     else:
         pc = ParallelConfig(tensor_parallel_size=world, enable_expert_parallel=True)
-    cfg = cases.vllm_config(scheme, Path(tempfile.mkdtemp()), parallel_config=pc)
+    cfg = cases.vllm_config(ckpt, Path(tempfile.mkdtemp()), parallel_config=pc)
     if dp:  # vLLM's engine hands every DP rank one config; here each process builds its own: agree on ports
         cfg.parallel_config._data_parallel_master_port_list = [port + 4, port + 3, port + 2, port + 1]
         cfg.parallel_config.data_parallel_master_port = port
@@ -64,7 +69,7 @@ def main() -> None:
             check_limit(cfg)
             print(f"RANK {rank} OK", flush=True)
             return
-        runner = cases.build(scheme, cfg)
+        runner = cases.build(ckpt, cfg)
         experts = runner.routed_experts
         method = experts.quant_method
         assert isinstance(method, AtomMoEMethod), type(method)
@@ -74,11 +79,13 @@ def main() -> None:
         assert spec.local_experts == tuple(range(rank * per, (rank + 1) * per)), spec.local_experts
         assert spec.placement.world_size == world and spec.placement.rank == rank
         assert method.plan.fused == (mode == "dp_ep")
+        if ckpt == "mxfp4":
+            assert spec.scheme is (cases.Scheme.A8W4 if scheme == "a8w4" else cases.Scheme.A16W4)
         assert not runner.do_naive_dispatch_combine  # vLLM must not dispatch around MegaMoE
 
         gen = torch.Generator().manual_seed(seed)  # same weights on every rank
-        tensors, ref = cases.hf_tensors(scheme, gen)
-        cases.load(runner, scheme, tensors, ep_range=(rank * per, (rank + 1) * per))
+        tensors, ref = cases.hf_tensors(ckpt, gen)
+        cases.load(runner, ckpt, tensors, ep_range=(rank * per, (rank + 1) * per))
         cases.process(runner)
         assert experts.atom_moe_weights.num_local_experts == per
 

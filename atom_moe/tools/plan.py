@@ -258,6 +258,8 @@ def engine_flags(plan: Plan, engine: str, model: str = "<model>") -> str:
     """The command line that starts `engine` with this plan's layout and budget."""
     B, G, U, N = plan.tokens, plan.ep, plan.utilization, plan.gpus
     env = "ATOM_USE_FLYDSL_FUSED=1" if plan.fused else "ATOM_USE_FLYDSL=1"  # fused EP; else the experts step
+    if plan.spec.scheme is Scheme.A8W4:  # the plugins run MXFP4 layers as a16w4 unless told (docs/vllm.md)
+        env += " ATOM_MOE_MXFP4_ACT=fp8"
     if engine == "vllm":
         # vLLM's --max-num-batched-tokens is per DP engine, i.e. per rank with TP 1 (docs/vllm.md)
         parts = [env, "vllm serve", model, f"--tensor-parallel-size {plan.tp}", f"--data-parallel-size {plan.dp}"]

@@ -6,7 +6,8 @@ SGLang runs unchanged. With a flag set it registers, once per process, AROUND ho
 SGLang's `HookRegistry` (applied by `load_plugins` right after):
 
 * the MoE quant methods' `process_weights_after_loading` (bf16, fp8 128x128 blocks,
-  MXFP4): build our prepared weights from SGLang's loaded parameters and free those;
+  MXFP4, as a16w4 or a8w4 by ATOM_MOE_MXFP4_ACT): build our prepared weights from SGLang's
+  loaded parameters and free those;
 * `FusedMoE.forward_impl`: run our experts step (or MegaMoE) for the layers built above;
 * in fused mode, `post_experts_output_is_complete`: MegaMoE's combine already summed
   each token, so SGLang must not sum it again over EP.
@@ -19,7 +20,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from ..common import Flags, Mode, parse_flags, startup_line, warn_once
+from ..common import Flags, Mode, parse_flags, schemes_detail, startup_line, warn_once
 
 # A child of SGLang's "sglang" logger: SGLang's handler prints our lines in its format.
 log = logging.getLogger("sglang.atom_moe")
@@ -83,7 +84,7 @@ def register() -> None:
     if flags.mode is Mode.FUSED and fused_ok:
         HookRegistry.register(COMPLETE, hooks.post_experts_output_is_complete, HookType.AROUND)
     _registered = flags
-    line = startup_line("SGLang", version, flags, "schemes: bf16, fp8 (128x128 blocks), mxfp4 (gpt-oss)")
+    line = startup_line("SGLang", version, flags, schemes_detail(flags, "gpt-oss style"))
     if log.hasHandlers():
         log.info(line)
     else:  # SGLang configures logging per process; the line must show either way

@@ -49,7 +49,8 @@ def process_weights_after_loading(orig, method, layer) -> None:
     if _flags is None or _flags.mode is Mode.OFF or getattr(layer, "atom_moe", None) is not None:
         return orig(method, layer)
     fused = _flags.mode is Mode.FUSED and _fused_ok
-    plan = plan_layer(layer, method, fused, _flags.transport)  # LimitError propagates: a start-up error
+    # LimitError propagates: a start-up error
+    plan = plan_layer(layer, method, fused, _flags.transport, _flags.mxfp4_scheme)
     if isinstance(plan, str):
         from sglang.srt.layers.moe.utils import get_moe_a2a_backend
 

@@ -24,6 +24,7 @@ PARAMS = {
     Scheme.FP8: ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv"),
     Scheme.A16W4: ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"),
 }
+PARAMS[Scheme.A8W4] = PARAMS[Scheme.A16W4]  # the same loaded MXFP4 parameters: only our layout differs
 BIASES = ("w13_weight_bias", "w2_weight_bias")
 
 
@@ -41,8 +42,8 @@ class LayerPlan:
     transport: str = "local"  # MegaMoE's EP transport in fused mode (plugins.common.fused_transport)
 
 
-def scheme_of(layer, method) -> Scheme | str:
-    """Our scheme for SGLang's quant method, or why we do not take it."""
+def scheme_of(layer, method, mxfp4_scheme: Scheme = Scheme.A16W4) -> Scheme | str:
+    """Our scheme for SGLang's quant method (MXFP4 layers as `mxfp4_scheme`), or why we do not take it."""
     from sglang.srt.layers.quantization.fp8 import Fp8MoEMethod
     from sglang.srt.layers.quantization.mxfp4 import Mxfp4MoEMethod
     from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod
@@ -61,7 +62,7 @@ def scheme_of(layer, method) -> Scheme | str:
             return f"fp8 weights in {layer.w13_weight.dtype} (we take float8_e4m3fn only)"
         return Scheme.FP8
     if kind is Mxfp4MoEMethod:
-        return Scheme.A16W4
+        return mxfp4_scheme
     return f"quant method {kind.__name__} is not one we replace (bf16, fp8 128x128 blocks, mxfp4)"
 
 
@@ -128,8 +129,12 @@ def token_budget() -> tuple[int, str]:
     return tokens_per_rank(prefill, graphs), "--chunked-prefill-size"
 
 
-def plan_layer(layer, method, fused_flag: bool, transport_flag: str = "auto") -> LayerPlan | str:
-    """Our plan for this layer, or the reason it keeps SGLang's path. Raises LimitError on bad limits."""
+def plan_layer(layer, method, fused_flag: bool, transport_flag: str = "auto",
+               mxfp4_scheme: Scheme = Scheme.A16W4) -> LayerPlan | str:
+    """Our plan for this layer (MXFP4 as `mxfp4_scheme`), or the reason it keeps SGLang's path.
+
+    Raises LimitError on bad limits.
+    """
     from sglang.srt.layers.dp_attention import is_dp_attention_enabled
     from sglang.srt.layers.moe.utils import get_moe_a2a_backend
     from sglang.srt.runtime_context import get_parallel
@@ -152,7 +157,7 @@ def plan_layer(layer, method, fused_flag: bool, transport_flag: str = "auto") ->
     packed = ("is_triton_kernels", "is_flashinfer_trtllm_routed")  # predicates that exist in this version
     if runner is not None and any(getattr(runner, p, lambda: False)() for p in packed):
         return f"runner backend {runner.value} hands top-k in a packed format"
-    scheme = scheme_of(layer, method)
+    scheme = scheme_of(layer, method, mxfp4_scheme)
     if not isinstance(scheme, Scheme):  # a reason (Scheme is a str enum: test the enum)
         return scheme
     act = activation_of(layer)

@@ -5,7 +5,8 @@ vLLM loads `register` through the `vllm.general_plugins` entry point in every pr
 it returns at once and vLLM runs unchanged. With a flag set it registers, once per
 process, an out-of-tree `RoutedExperts` (a vLLM PluggableLayer, replaceable through
 `register_oot`) whose quant-method choice wraps vLLM's bf16, fp8-block and gpt-oss MXFP4
-methods with ours; everything else keeps vLLM's method with one warning per layer type.
+methods with ours (MXFP4 as a16w4 or a8w4, by ATOM_MOE_MXFP4_ACT); everything else keeps
+vLLM's method with one warning per layer type.
 docs/vllm.md has the launch recipes.
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from ..common import Flags, Mode, parse_flags, startup_line, warn_once
+from ..common import Flags, Mode, parse_flags, schemes_detail, startup_line, warn_once
 
 # A child of vLLM's "vllm" logger, so vLLM's own handler prints our lines with its format.
 log = logging.getLogger("vllm.atom_moe")
@@ -58,7 +59,7 @@ def register() -> None:
     if cls is None or cls is _registered_cls:
         return
     _registered_cls = cls
-    line = startup_line("vLLM", version, flags, "schemes: bf16, fp8 (128x128 blocks), mxfp4 (gpt-oss)")
+    line = startup_line("vLLM", version, flags, schemes_detail(flags, "gpt-oss"))
     if log.hasHandlers():
         log.info(line)
     else:  # vLLM 0.33 configures its log handler later in some processes: the line must still show

@@ -47,6 +47,7 @@ _PARAMS = {
     Scheme.FP8: ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv"),
     Scheme.A16W4: ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"),
 }
+_PARAMS[Scheme.A8W4] = _PARAMS[Scheme.A16W4]  # one gpt-oss checkpoint either way: only our layout differs
 _BIASES = ("w13_bias", "w2_bias")
 
 _flags: Flags | None = None
@@ -138,7 +139,7 @@ def _scheme_of(layer: RoutedExperts, inner: FusedMoEMethodBase) -> Scheme | str:
             return "fp8 e4m3fnuz platform (we take e4m3fn only)"
         return Scheme.FP8
     if kind is GptOssMxfp4MoEMethod:
-        return Scheme.A16W4
+        return _flags.mxfp4_scheme  # a16w4 or a8w4 by ATOM_MOE_MXFP4_ACT; same parameters, same loader
     return f"quant method {kind.__name__} is not one we replace (bf16, fp8 128x128 blocks, gpt-oss mxfp4)"
 
 
