@@ -23,6 +23,10 @@ CONFIGS = {
     "qwen3moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], head_dim=32,
                      intermediate_size=256, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+    # layer 0 dense, layer 1 (the last) MoE: the DP 2 + EP 2 comparison's model (tests/test_vllm_serve.py)
+    "qwen3moe_last": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], head_dim=32,
+                          intermediate_size=256, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0]),
     # layer 0 dense (first_k_dense_replace=1), layer 1 MoE; n_group=2, topk_group=1: grouped top-k.
     # MLA at DeepSeek-V3's own latent dims (512 + 64 rope = 576): vLLM's CPU MLA rejects others (80)
     "dsv3": dict(model_type="deepseek_v3", num_key_value_heads=4, architectures=["DeepseekV3ForCausalLM"], intermediate_size=256,
