@@ -25,7 +25,7 @@ CHECKS = 1 + CASES * (1 + 2 * 3 * 3 + 2 + 2 + 1 + 2) + 7
 def test_redundant_experts_match_reference(world, seed):
     res = assert_all_passed(run_ranks("redundant", world, seed, timeout=300), CHECKS)
     names = {r["check"] for r in res}
-    assert {"redundant bf16/bf16 rebalance keeps addresses", "redundant fp8/fp8 after one_expert replica choice",
+    assert {"redundant torch bf16/bf16 rebalance keeps addresses", "redundant torch fp8/fp8 after one_expert replica choice",
             "build: slot out of range", "build: expert without replica"} <= names
 
 
