@@ -243,7 +243,7 @@ class MegaMoE:
     def _agree_at_build(self, problem: str | None) -> list[int]:
         """Exchange each rank's view; raise the same error everywhere on any mismatch; return expert owners."""
         s, ks = self.spec, self.kspec
-        tables = None if self.placement is None else [t.tolist() for t in (
+        tables = None if problem or self.placement is None else [t.tolist() for t in (
             self.placement.physical_to_logical, self.placement.logical_to_physical, self.placement.replica_count)]
         mine = dict(problem=problem, mtpr=self.max_tokens_per_rank, local=list(ks.local_experts), tables=tables,
                     layer=(s.hidden_size, s.intermediate_size, s.num_experts, s.num_physical_experts, s.top_k,
