@@ -161,6 +161,16 @@ def test_balanced_placement_rejects_bad_input():
 
 
 # ---------------------------------------------------------------- the op at EP 1
+def close(out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    """Every element within tol of the largest |ref|, and the relative Frobenius error within tol / 3."""
+    err = (out.float() - ref).abs()
+    assert torch.isfinite(out).all() and out.shape == ref.shape
+    if not out.numel():
+        return
+    assert float(err.max()) <= tol * float(ref.abs().max()), float(err.max())
+    assert float(err.norm()) <= tol / 3 * float(ref.norm())
+
+
 def layer(spec_full: MoESpec, spec: MoESpec, seed: int):
     raw = random_layer(spec_full, generator=torch.Generator().manual_seed(seed))
     return raw, prepare_stacked(spec, raw.w13, raw.w2, layout="separated"), \
@@ -169,7 +179,9 @@ def layer(spec_full: MoESpec, spec: MoESpec, seed: int):
 
 @pytest.mark.parametrize("scheme", ["bf16", "fp8", "a8w4"])
 def test_local_op_matches_reference_and_plain_op(scheme, seed):
-    """EP 1 with 10 slots for 6 experts: equal to the plain op (every element, bit for bit) and to the reference."""
+    """EP 1 with 10 slots for 6 experts: every element against the plain op and the reference.
+
+    Not bit for bit: an expert's tokens split over its replicas reach the matmuls in other groups."""
     gen = torch.Generator().manual_seed(seed)
     full = spec_of(scheme)
     placed = shuffled(ExpertPlacement.from_map(random_map(gen, E, 10), E), gen)
@@ -183,23 +195,25 @@ def test_local_op_matches_reference_and_plain_op(scheme, seed):
         x, w, ids = random_tokens(full, T, generator=gen)
         ids = torch.where(torch.rand(ids.shape, generator=gen) < 0.1, -1, ids)
         out = op(x, w, ids, mine)
-        assert torch.equal(out, plain(x, w, ids, plain_w))
+        close(out, plain(x, w, ids, plain_w).float(), 1e-2)
         if T:
-            r = reference_moe(x, w, ids, ref, full.activation, act_quant=act_quant)
-            assert (out.float() - r).norm() <= 1e-2 * r.norm()
+            close(out, reference_moe(x, w, ids, ref, full.activation, act_quant=act_quant), 3e-2)
     assert op.allocated_bytes() == sum(buffer_sizes(spec, 1, C).values()) > 0
 
 
-def test_identity_map_is_bit_for_bit_and_plain_spec_unchanged(seed):
-    full = spec_of()
+@pytest.mark.parametrize("scheme", ["bf16", "fp8", "a16w4"])
+def test_identity_map_is_bit_for_bit_and_plain_spec_unchanged(scheme, seed):
+    full = spec_of(scheme)
     ident = full.for_rank(0, 1, physical_experts=tuple(range(E)))
     _, mine, plain_w = layer(full, ident, seed)
     assert buffer_plan(full, 1, C) == {}  # without redundant experts the op allocates what it did before
     op = MegaMoE(ident, max_tokens_per_rank=C, experts_backend="torch", device="cpu")
     plain = MegaMoE(full, max_tokens_per_rank=C, experts_backend="torch", device="cpu")
-    x, w, ids = random_tokens(full, C, generator=torch.Generator().manual_seed(seed))
-    ids[0, 0], ids[1, 1] = -1, E  # sentinels
-    assert torch.equal(op(x, w, ids, mine), plain(x, w, ids, plain_w))
+    gen = torch.Generator().manual_seed(seed)
+    for T in (C, 3):
+        x, w, ids = random_tokens(full, T, generator=gen)
+        ids[0, 0], ids[1, 1] = -1, E  # sentinels
+        assert torch.equal(op(x, w, ids, mine), plain(x, w, ids, plain_w))
     with pytest.raises(MegaMoEError, match="needs a spec with redundant experts"):
         MegaMoE(full, max_tokens_per_rank=C, experts_backend="torch", device="cpu",
                 placement=ExpertPlacement.identity(E))
@@ -240,7 +254,8 @@ def test_load_statistic_counts_exactly(seed):
         want = torch.zeros(E, dtype=torch.int64)
         for T in (C, 4, 0, 7):
             x, w, ids = random_tokens(full, T, generator=gen, skew=2.0)
-            ids = torch.where(torch.rand(ids.shape, generator=gen) < 0.15, E, ids)
+            r = torch.rand(ids.shape, generator=gen)
+            ids = torch.where(r < 0.1, E, torch.where(r < 0.2, -1, ids))  # sentinels count nowhere
             op(x, w, ids, weights)
             valid = ids[(ids >= 0) & (ids < E)]
             want += torch.bincount(valid.flatten(), minlength=E)
@@ -275,7 +290,7 @@ def test_rebalance_in_place_at_ep1(seed):
         assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                    for a, b in zip(slot_tensors(lw), slot_tensors(want)))
         plain = MegaMoE(full, max_tokens_per_rank=C, experts_backend="torch", device="cpu")
-        assert torch.equal(op(x, w, ids, lw), plain(x, w, ids, plain_w))
+        close(op(x, w, ids, lw), plain(x, w, ids, plain_w).float(), 1e-2)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the symm kernels run on the CPU only under "
@@ -296,8 +311,7 @@ def test_simulated_symm_ranks_with_redundant_experts(seed):
         outs = [torch.empty(t[0].shape, dtype=t[0].dtype) for t in toks]
         group.forward(weights, [t[0] for t in toks], [t[1] for t in toks], [t[2] for t in toks], outs)
         for (x, w, ids), out in zip(toks, outs):
-            r = reference_moe(x, w, ids, ref, full.activation)
-            assert (out.float() - r).norm() <= 1e-2 * r.norm(), phase
+            close(out, reference_moe(x, w, ids, ref, full.activation), 3e-2)
         if phase == 0:
             new = ExpertPlacement.from_map(random_map(gen, E, 10), E)
             ptrs = [t.data_ptr() for lw in weights for t in slot_tensors(lw)]
