@@ -312,6 +312,9 @@ def scenario_redundant(checks: Checks, rank: int, world: int, seed: int, transpo
                       all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for lw, ww in zip(layers, want)
                           for a, b in zip(slot_tensors(lw), slot_tensors(ww))))
         run_cases("after", new, 7)
+        for wc in op.warmup(layers[0], seed=seed):  # the engines' dummy batches, sentinels included
+            compare_elements(checks, f"{tag} warmup {wc.name}", wc.out,
+                             reference(spec_full, refs[0], wc.x, wc.topk_weights, wc.topk_ids, wire), wc.x)
         op.reset_load()
         checks.record(f"{tag} load reset", int(op.expert_load().sum()) == 0)
         # a bad placement on the last rank: every rank refuses, nothing moved
