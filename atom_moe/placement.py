@@ -24,7 +24,7 @@ class PlacementError(ValueError):
     """Replica tables that do not describe a valid placement of the experts over the slots."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # tensors: compare with .slots() or torch.equal, not ==
 class ExpertPlacement:
     """One placement of N logical experts over P physical slots (see the module docstring); host tensors."""
 

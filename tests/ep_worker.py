@@ -323,6 +323,12 @@ def scenario_redundant(checks: Checks, rank: int, world: int, seed: int, transpo
         snapshot = [t.clone() for w in layers for t in slot_tensors(w)]
         checks.expect_error(f"{tag} bad rebalance reaches every rank", lambda: op.rebalance(bad, layers),
                             "rebalance refused", f"rank {world - 1}: replica tables: replica_count disagrees")
+        swapped = new.logical_to_physical.clone()
+        hot = int(new.replica_count.argmax())
+        swapped[hot, :2] = swapped[hot, :2].flip(0)
+        mixed = ExpertPlacement(new.physical_to_logical, swapped, new.replica_count) if rank == world - 1 else new
+        checks.expect_error(f"{tag} rebalance tables differing between ranks", lambda: op.rebalance(mixed, layers),
+                            "same placement (map and replica tables)", f"differing ranks [{world - 1}]")
         checks.record(f"{tag} bad rebalance moved nothing",
                       all(torch.equal(a, b) for a, b in zip(snapshot, (t for w in layers for t in slot_tensors(w)))))
         op.close()

@@ -16,9 +16,10 @@ import pytest
 from test_ep_multiproc import assert_all_passed, run_ranks
 
 CASES = 3  # (scheme, wire) combinations in ep_worker.REDUNDANT_CASES
-# per combination: bytes, 2 phases x 3 routings x (output, every element, replica choice, load) + 2
-# balanced-replica checks, addresses, 4 warm-ups x 2,, slot contents, load reset, bad rebalance (error, nothing moved); then 7 build errors; + launcher
-CHECKS = 1 + CASES * (1 + 2 * 3 * 4 + 2 + 2 + 8 + 1 + 2) + 7
+# per combination: bytes; 2 phases x 3 routings x (output, every element, replica choice, load); 2 balanced
+# replicas; addresses and slot contents after the rebalance; 4 warm-ups x (output, every element); load reset;
+# bad rebalance (error, differing tables, nothing moved). Then 7 build errors, and the launcher line.
+CHECKS = 1 + CASES * (1 + 2 * 3 * 4 + 2 + 2 + 8 + 1 + 3) + 7
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -33,5 +34,5 @@ def test_redundant_experts_match_reference(world, seed):
                     "only under TRITON_INTERPRET=1 (scripts/test.sh sets it)")
 def test_redundant_experts_symm_transport(seed):
     """2 processes, the op's symm transport (shared-file heaps, Triton under the interpreter), bf16."""
-    res = assert_all_passed(run_ranks("redundant_symm", 2, seed, timeout=400), 1 + (1 + 2 * 3 * 4 + 2 + 2 + 8 + 1 + 2))
+    res = assert_all_passed(run_ranks("redundant_symm", 2, seed, timeout=400), 1 + (1 + 2 * 3 * 4 + 2 + 2 + 8 + 1 + 3))
     assert {"redundant symm bf16/bf16 rebalance keeps addresses"} <= {r["check"] for r in res}

@@ -477,7 +477,9 @@ class MegaMoE:
         """
         self._check_open()
         problem = self._rebalance_problem(placement, layers)
-        mine = (problem, None if problem else placement.slots(), len(layers))
+        tables = None if problem else [t.tolist() for t in (
+            placement.physical_to_logical, placement.logical_to_physical, placement.replica_count)]
+        mine = (problem, tables, len(layers))
         views = [mine]
         if self.world > 1:
             views = [None] * self.world
@@ -487,7 +489,8 @@ class MegaMoE:
             raise MegaMoEError("MegaMoE rebalance refused, nothing moved: " + "; ".join(problems))
         if any(v[1:] != views[0][1:] for v in views):
             raise MegaMoEError("MegaMoE rebalance refused, nothing moved: every rank must pass the same placement "
-                               "and the same number of layers; (layers) per rank: "
+                               "(map and replica tables) and the same number of layers; differing ranks "
+                               + str([r for r, v in enumerate(views) if v[1:] != views[0][1:]]) + ", layers per rank: "
                                + ", ".join(f"rank {r}: {v[2]}" for r, v in enumerate(views)))
         moves = slot_moves(self.placement.slots(), placement.slots(), self.world)
         slots = self.spec.num_physical_experts // self.world
