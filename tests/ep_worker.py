@@ -354,8 +354,8 @@ def redundant_build_errors(checks: Checks, rank: int, world: int) -> None:
         ("table dtype", ExpertPlacement(good.physical_to_logical, good.logical_to_physical.int(), good.replica_count),
          "logical_to_physical is torch.int32; allowed: an int64 tensor"),
         ("table shape", ExpertPlacement(good.physical_to_logical, good.logical_to_physical[:, :R - 1],
-                                        good.replica_count), f"allowed: [num_experts, P - num_experts + 1] = [{E}, {R}]"),
-        ("expert without replica", ExpertPlacement.from_map(no_replica, E), "logical experts [2] have no physical slot"),
+                                        good.replica_count), f"[num_experts, P - num_experts + 1] = [{E}, {R}]"),
+        ("expert without replica", ExpertPlacement.from_map(no_replica, E), "experts [2] have no physical slot"),
     )
     for name, bad, needle in cases:
         mine = bad if rank == world - 1 else good

@@ -109,7 +109,6 @@ class MegaMoE:
         self.buffers = allocate({n: b for n, b in plan.items() if not n.startswith(("workspace.", "symm."))},
                                 self.device)
         self._init_routing_tables()
-        spec = self.kspec  # from here on the slots are the experts
         self.transport: Transport | SymmTransport
         if self.transport_name == "local":
             self.transport = LocalTransport(self.max_tokens_per_rank)

@@ -48,8 +48,7 @@ def read_counts(path: str) -> list[float]:
 
 def placement_json(p: ExpertPlacement) -> dict:
     """The tables as JSON lists."""
-    return {"physical_to_logical": p.physical_to_logical.tolist(), "logical_to_physical": p.logical_to_physical.tolist(),
-            "replica_count": p.replica_count.tolist()}
+    return {name: getattr(p, name).tolist() for name in ("physical_to_logical", "logical_to_physical", "replica_count")}
 
 
 def run(args: argparse.Namespace) -> int:
