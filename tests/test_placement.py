@@ -352,3 +352,21 @@ def test_plan_counts_slots():
     assert more.buffer_bytes > base.buffer_bytes
     with pytest.raises(PlanError, match="must divide over EP 8; allowed: R with"):
         make_plan(layer, ep=8, tokens=256, gpu_bytes=140 * 2**30, redundant_experts=3)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_buffer_plan_counts_slots(world):
+    """docs/ep.md's redundant-expert rows, written out: owner tables over P slots plus the routing tables."""
+    full = spec_of()
+    phys = tuple(range(E)) + (0, 0)  # P = 8
+    spec = full.for_rank(0, world, physical_experts=phys)
+    plan = {n: (b.shape, b.dtype) for n, b in buffer_plan(spec, world, C, record_load=True).items()}
+    plain = {n: (b.shape, b.dtype) for n, b in buffer_plan(full.for_rank(0, world), world, C).items()}
+    i64 = torch.int64
+    extra = {"slot_expert": ((8,), i64), "replica_slots": ((E + 1, 3), i64), "replica_count": ((E + 1,), i64),
+             "pair_index": ((C, K), i64), "slot_ids": ((C, K), i64), "expert_load": ((E + 1,), i64),
+             "load_ones": ((C * K,), i64)}
+    want = plain | extra
+    if world > 1:
+        want["expert_owner"] = ((8 + 1,), i64)
+    assert plan == want
