@@ -357,16 +357,17 @@ def test_plan_counts_slots():
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_buffer_plan_counts_slots(world):
     """docs/ep.md's redundant-expert rows, written out: owner tables over P slots plus the routing tables."""
-    full = spec_of()
-    phys = tuple(range(E)) + (0, 0)  # P = 8
+    n = 8
+    full = spec_of(experts=n)
+    phys = tuple(range(n)) + (0, 0, 0, 1)  # P = 12, R = 5
     spec = full.for_rank(0, world, physical_experts=phys)
     plan = {n: (b.shape, b.dtype) for n, b in buffer_plan(spec, world, C, record_load=True).items()}
     plain = {n: (b.shape, b.dtype) for n, b in buffer_plan(full.for_rank(0, world), world, C).items()}
     i64 = torch.int64
-    extra = {"slot_expert": ((8,), i64), "replica_slots": ((E + 1, 3), i64), "replica_count": ((E + 1,), i64),
-             "pair_index": ((C, K), i64), "slot_ids": ((C, K), i64), "expert_load": ((E + 1,), i64),
+    extra = {"slot_expert": ((12,), i64), "replica_slots": ((n + 1, 5), i64), "replica_count": ((n + 1,), i64),
+             "pair_index": ((C, K), i64), "slot_ids": ((C, K), i64), "expert_load": ((n + 1,), i64),
              "load_ones": ((C * K,), i64)}
     want = plain | extra
     if world > 1:
-        want["expert_owner"] = ((8 + 1,), i64)
+        want["expert_owner"] = ((12 + 1,), i64)
     assert plan == want
