@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 FP8_BLOCK = 128  # fp8 weights: 128x128 block scales; activations: per-token groups of 128
 A8W4_INTER_GROUP = 64  # a8w4 quantizes GEMM2's input per token-group-64: GEMM1 tiles may then be 128 rows
@@ -120,11 +121,19 @@ class Routing:
 
 @dataclass(frozen=True)
 class Placement:
-    """Which experts this expert-parallel rank owns (global expert ids, in local order)."""
+    """Which experts this expert-parallel rank owns (global expert ids, in local order).
+
+    Redundant experts: `physical_experts` lists, for every one of the P physical slots of
+    the whole EP group, the logical expert it holds (P >= num_experts, P divisible by the
+    world size, slot s on rank s // (P / world_size), every expert in at least one slot).
+    `local_experts` is then the logical expert of each of this rank's P / world_size slots
+    (filled by MoESpec; an expert may appear more than once).
+    """
 
     rank: int = 0
     world_size: int = 1
     local_experts: tuple[int, ...] | None = None  # None: linear placement, filled by MoESpec
+    physical_experts: tuple[int, ...] | None = None  # None: one slot per expert (P == num_experts)
 
     @staticmethod
     def linear(rank: int, world_size: int, num_experts: int) -> "Placement":
@@ -184,10 +193,26 @@ class MoESpec:
         if r.n_group > 1 and self.num_experts // r.n_group < 2:
             raise SpecError("grouped top-k scores a group by its two best experts: need >= 2 experts per group")
         p = self.placement
-        if p.local_experts is None:
+        if p.physical_experts is not None:
+            self._check_physical_placement(p)
+        elif p.local_experts is None:
             object.__setattr__(self, "placement", Placement.linear(p.rank, p.world_size, self.num_experts))
         else:
             self._check_explicit_placement(p)
+
+    def _check_physical_placement(self, p: Placement) -> None:
+        if p.world_size < 1 or not (0 <= p.rank < p.world_size):
+            raise SpecError(f"EP rank must be in [0, world_size), got rank={p.rank}, world_size={p.world_size}")
+        phys = tuple(int(e) for e in p.physical_experts)
+        problem = physical_map_problem(phys, self.num_experts, p.world_size)
+        if problem:
+            raise SpecError(problem)
+        per = len(phys) // p.world_size
+        mine = phys[p.rank * per:(p.rank + 1) * per]
+        if p.local_experts is not None and tuple(int(e) for e in p.local_experts) != mine:
+            raise SpecError(f"local_experts {tuple(p.local_experts)} disagree with physical_experts, whose slots on "
+                            f"rank {p.rank} hold {mine}; pass physical_experts alone")
+        object.__setattr__(self, "placement", replace(p, local_experts=mine, physical_experts=phys))
 
     def _check_explicit_placement(self, p: Placement) -> None:
         if p.world_size < 1 or not (0 <= p.rank < p.world_size):
@@ -216,8 +241,53 @@ class MoESpec:
 
     @property
     def num_local_experts(self) -> int:
+        """Local experts, or local physical slots with redundant experts."""
         return len(self.local_experts)
 
-    def for_rank(self, rank: int, world_size: int, local_experts: tuple[int, ...] | None = None) -> "MoESpec":
-        """The same layer as seen by one EP rank."""
-        return replace(self, placement=Placement(rank, world_size, local_experts))
+    @property
+    def redundant(self) -> bool:
+        """Whether the spec places physical slots (redundant experts) instead of one slot per expert."""
+        return self.placement.physical_experts is not None
+
+    @property
+    def num_physical_experts(self) -> int:
+        """P: physical expert slots over the whole EP group (num_experts without redundant experts)."""
+        phys = self.placement.physical_experts
+        return self.num_experts if phys is None else len(phys)
+
+    @cached_property
+    def kernel_spec(self) -> "MoESpec":
+        """The layer as the kernels, transports and prepared weights see it: the P physical slots are the
+        experts, linearly placed (this spec itself when it has no redundant experts)."""
+        if not self.redundant:
+            return self
+        p, P = self.placement, self.num_physical_experts
+        per = P // p.world_size
+        # routing is the engine's business (ids arrive already chosen): the slots keep only the shapes
+        return replace(self, num_experts=P, routing=Routing(),
+                       placement=Placement(p.rank, p.world_size, tuple(range(p.rank * per, (p.rank + 1) * per))))
+
+    def for_rank(self, rank: int, world_size: int, local_experts: tuple[int, ...] | None = None,
+                 physical_experts: tuple[int, ...] | None = None) -> "MoESpec":
+        """The same layer as seen by one EP rank (a redundant spec keeps its physical map unless given one)."""
+        if physical_experts is None and local_experts is None:
+            physical_experts = self.placement.physical_experts
+        return replace(self, placement=Placement(rank, world_size, local_experts, physical_experts))
+
+
+def physical_map_problem(physical_experts: tuple[int, ...], num_experts: int, world_size: int) -> str | None:
+    """What is wrong with a slot -> logical expert map, or None (see Placement)."""
+    P = len(physical_experts)
+    if P < num_experts:
+        return (f"physical_experts has {P} slots, fewer than the {num_experts} logical experts; allowed: "
+                f"P >= num_experts")
+    if P % world_size:
+        return (f"physical_experts has {P} slots, not divisible by the EP world size {world_size}; allowed: "
+                f"P a multiple of {world_size} (each rank holds P / world_size slots)")
+    bad = [(s, e) for s, e in enumerate(physical_experts) if not 0 <= e < num_experts]
+    if bad:
+        return f"physical_experts slots {bad[:8]} (slot, expert) hold ids outside [0, num_experts={num_experts})"
+    missing = sorted(set(range(num_experts)) - set(physical_experts))
+    if missing:
+        return f"logical experts {missing[:16]} have no physical slot; every expert needs at least one replica"
+    return None

@@ -116,6 +116,7 @@ class PreparedWeights:
 
     def check(self, spec: MoESpec) -> None:
         """Raise WeightError/LayoutError unless these weights are what `spec` needs."""
+        spec = spec.kernel_spec  # redundant experts: weights are stored per physical slot
         # expert_map was validated at build; a replaced or in-place edited map is validated again,
         # but never inside a CUDA graph capture (the check reads the map on the host)
         seen = getattr(self, "_map_seen", (None, None))
@@ -210,8 +211,9 @@ def prepared_shapes(spec: MoESpec) -> dict[str, tuple[tuple[int, ...], torch.dty
     """(shape, dtype) of each tensor of one layer's PreparedWeights on this rank (the table above).
 
     Keys: expert_map, w13, w2, and where the scheme has them w13_scale, w2_scale, w13_bias, w2_bias,
-    w13_rowexp, w2_rowexp.
+    w13_rowexp, w2_rowexp. With redundant experts E is P and E_l the rank's P/W slots.
     """
+    spec = spec.kernel_spec
     H, I, E, El = spec.hidden_size, spec.intermediate_size, spec.num_experts, spec.num_local_experts
     out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"expert_map": ((E,), torch.int32)}
     if spec.scheme is Scheme.BF16:
@@ -342,6 +344,7 @@ def prepare_mxfp4_local(spec: MoESpec, experts: Iterable[tuple[torch.Tensor, tor
     if not spec.scheme.is_mxfp4:
         raise WeightError(f"prepare_mxfp4_local builds MXFP4 (a16w4/a8w4) weights, the spec's scheme is "
                           f"{spec.scheme.value}")
+    spec = spec.kernel_spec  # redundant experts: `experts` yields one tuple per local slot
     H, I, El = spec.hidden_size, spec.intermediate_size, spec.num_local_experts
     dev = None if device is None else torch.device(device)
     quads = spec.scheme is Scheme.A8W4
@@ -451,9 +454,15 @@ def prepare_stacked(spec: MoESpec, w13: torch.Tensor, w2: torch.Tensor, *, layou
     up blocked on its own) or [E', ceil(I/128), 2, ceil(H/128)] when INTERLEAVED.
     MXFP4 schemes (a16w4, a8w4) come out as MX tiles (prepare_mxfp4_local), built one
     expert at a time; `plain_mxfp4` gives the plain form back.
+    Redundant experts (spec.redundant): the rows stay logical experts, and each of the
+    rank's physical slots gets a copy of the expert it holds (weights per slot, numbered
+    by slot id: spec.kernel_spec).
     """
     layout = GateUpLayout(layout)
     ids = list(range(spec.num_experts)) if expert_ids is None else [int(e) for e in expert_ids]
+    if spec.redundant:
+        return _prepare_slots(spec, ids, layout, device, w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale,
+                              w13_bias=w13_bias, w2_bias=w2_bias)
     for name, t in (("w13", w13), ("w2", w2), ("w13_scale", w13_scale), ("w2_scale", w2_scale),
                     ("w13_bias", w13_bias), ("w2_bias", w2_bias)):
         if t is not None:
@@ -533,6 +542,21 @@ def prepare_stacked(spec: MoESpec, w13: torch.Tensor, w2: torch.Tensor, *, layou
         w2=torch.stack(w2_parts), w2_scale=torch.stack(s2_parts) if s2_parts else None,
         w13_bias=bias13, w2_bias=bias2,
     )
+
+
+def _prepare_slots(spec: MoESpec, ids: list[int], layout: GateUpLayout, device, **tensors) -> PreparedWeights:
+    """prepare_stacked for a redundant spec: pick each local slot's logical row, then prepare the slots."""
+    row_of = {e: i for i, e in enumerate(ids)}
+    for name, t in tensors.items():
+        if t is not None:
+            _check_count(name, t, spec, ids)
+    missing = sorted({e for e in spec.local_experts if e not in row_of})
+    if missing:
+        raise WeightError(f"local experts {missing} (held by this rank's slots) are not among the given expert_ids")
+    kspec = spec.kernel_spec
+    rows = [row_of[e] for e in spec.local_experts]  # one row per slot: a replicated expert is copied
+    picked = {n: None if t is None else t[torch.tensor(rows, device=t.device)] for n, t in tensors.items()}
+    return prepare_stacked(kspec, layout=layout, expert_ids=kspec.local_experts, device=device, **picked)
 
 
 def _interleave_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -17,10 +17,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from atom_moe.balance import balanced_placement
 from atom_moe.ep import BufferLimitError, MegaMoE, MegaMoEError, buffer_sizes, init_distributed
+from atom_moe.ep.rebalance import slot_tensors
 from atom_moe.formats import dequantize_fp8_per_group, quantize_fp8_per_group
+from atom_moe.placement import ExpertPlacement
 from atom_moe.reference import ReferenceWeights, reference_moe
-from atom_moe.spec import MoESpec
+from atom_moe.spec import MoESpec, SpecError
 from atom_moe.tools.synthetic import random_layer, random_tokens
 from atom_moe.weights import prepare_stacked
 
@@ -95,6 +98,17 @@ def compare(checks: Checks, name: str, out: torch.Tensor, ref: torch.Tensor, x: 
     scale = ref.norm().item()
     ok = bool(torch.isfinite(out).all()) and (err <= TOL * scale if scale > 0 else err == 0.0)
     checks.record(name, ok, tokens=out.shape[0], rel=err / scale if scale else err)
+
+
+def compare_elements(checks: Checks, name: str, out: torch.Tensor, ref: torch.Tensor, x: torch.Tensor) -> None:
+    """compare(), and every element within 3e-2 of the largest |ref| (a wrong row cannot hide in the norm)."""
+    compare(checks, name, out, ref, x)
+    if tuple(out.shape) != tuple(ref.shape):
+        checks.record(f"{name} every element", False, shape=tuple(out.shape))
+        return
+    worst = float((out.float() - ref).abs().max()) if out.numel() else 0.0
+    limit = 3e-2 * float(ref.abs().max()) if out.numel() else 0.0
+    checks.record(f"{name} every element", worst <= limit, worst=worst, limit=limit)
 
 
 def make_case(case: str, spec: MoESpec, rank: int, world: int, owners: list[list[int]], seed: int, *,
@@ -201,6 +215,163 @@ def scenario_symm(checks: Checks, rank: int, world: int, seed: int):
             checks.expect_error(f"{tag} barrier give-up reaches every rank", lambda: op.warmup(mine, seed=seed),
                                 "symm barrier waits gave up", "rank 0: 1")
         op.close()
+
+
+def random_placement(world: int, gen: torch.Generator) -> ExpertPlacement:
+    """P = E + 4 slots (divisible by 2 and 4): two hot experts get 4 and 2 replicas, slots shuffled, and each
+    expert's replica order in logical_to_physical shuffled too (routing must follow the table, not slot order)."""
+    hot = torch.randperm(E, generator=gen)[:2].tolist()
+    phys = list(range(E)) + [hot[0]] * 3 + [hot[1]]
+    phys = [phys[i] for i in torch.randperm(len(phys), generator=gen).tolist()]
+    p = ExpertPlacement.from_map(phys, E)
+    table = p.logical_to_physical.clone()
+    for e in range(E):
+        c = int(p.replica_count[e])
+        table[e, :c] = table[e, :c][torch.randperm(c, generator=gen)]
+    return ExpertPlacement(p.physical_to_logical, table, p.replica_count)
+
+
+def expected_slots(ids: torch.Tensor, p: ExpertPlacement, rank: int) -> torch.Tensor:
+    """The slot routing must pick for each (token, slot), computed here with plain loops (docs/ep.md)."""
+    out = torch.full(ids.shape, p.num_slots, dtype=torch.int64)
+    for t in range(ids.shape[0]):
+        for j in range(K):
+            e = int(ids[t, j])
+            if 0 <= e < E:
+                out[t, j] = p.logical_to_physical[e, ((rank * C + t) * K + j) % int(p.replica_count[e])]
+    return out
+
+
+def buffer_ptrs(op: MegaMoE, layers) -> dict[str, int]:
+    """data_ptr of every persistent buffer of the op and every slot tensor of the layers."""
+    ptrs = {n: t.data_ptr() for n, t in op.buffers.items()}
+    for li, w in enumerate(layers):
+        ptrs.update({f"layer{li}.{i}": t.data_ptr() for i, t in enumerate(slot_tensors(w) + [w.expert_map])})
+    return ptrs
+
+
+REDUNDANT_CASES = (("bf16", "bf16"), ("fp8", "fp8"), ("a16w4", "bf16"))
+
+
+def scenario_redundant(checks: Checks, rank: int, world: int, seed: int, transport: str = "torch"):
+    """Redundant experts over the torch (or symm) transport: random placements and replica tables, the load
+    statistic, rebalancing mid-run (random and from the recorded load), then wrong tables at build and at rebalance."""
+    shared = torch.Generator().manual_seed(seed)  # the same placements on every rank
+    backend = "triton" if transport == "symm" else "torch"
+    for si, (scheme, wire) in enumerate(REDUNDANT_CASES if transport == "torch" else REDUNDANT_CASES[:1]):
+        spec_full = MoESpec.create(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, scheme=scheme,
+                                   max_tokens_per_rank=C)
+        placed = random_placement(world, shared)
+        spec = spec_full.for_rank(rank, world, physical_experts=placed.slots())
+        raws = [random_layer(spec_full, generator=torch.Generator().manual_seed(seed + 100 * si + li))
+                for li in range(2)]
+        layers = [prepare_stacked(spec, r.w13, r.w2, layout="separated") for r in raws]
+        refs = [ReferenceWeights.from_prepared(prepare_stacked(spec_full, r.w13, r.w2, layout="separated"))
+                for r in raws]
+        op = MegaMoE(spec, None, max_tokens_per_rank=C, transport=transport, wire=wire, experts_backend=backend,
+                     device="cpu", placement=placed, record_load=True)
+        tag = f"redundant {transport} {scheme}/{wire}"
+        planned = buffer_sizes(spec, world, C, wire, transport=transport, experts_backend=backend, record_load=True)
+        checks.record(f"bytes {tag}", op.allocated_bytes() == sum(planned.values())
+                      and planned.get("expert_owner", planned.get("owner", 0) * 2) == 8 * (placed.num_slots + 1),
+                      planned=sum(planned.values()))
+        load = torch.zeros(E, dtype=torch.int64)
+        owners = [[] for _ in range(world)]
+
+        def run_cases(phase: str, p: ExpertPlacement, offset: int) -> None:
+            for ci, case in enumerate(("random", "skewed", "one_expert")):
+                x, w, ids = make_case(case, spec_full, rank, world, owners, seed + offset + 1000 * (si * 4 + ci))
+                if case == "one_expert":  # the expert with the most replicas
+                    ids = torch.full_like(ids, int(p.replica_count.argmax()))
+                out = op(x, w, ids, layers[ci % 2])
+                compare_elements(checks, f"{tag} {phase} {case}", out,
+                                 reference(spec_full, refs[ci % 2], x, w, ids, wire), x)
+                slots = op.buffers["slot_ids"][:x.shape[0]]
+                checks.record(f"{tag} {phase} {case} replica choice", torch.equal(slots, expected_slots(ids, p, rank)))
+                load.add_(torch.bincount(ids[(ids >= 0) & (ids < E)].flatten().long(), minlength=E))
+                checks.record(f"{tag} {phase} {case} load", torch.equal(op.expert_load(), load),
+                              got=op.expert_load().tolist(), want=load.tolist())
+                if case == "one_expert" and x.shape[0]:  # one expert's pairs are consecutive: round robin exactly
+                    e = int(ids[0, 0])
+                    per = torch.bincount(slots.flatten(), minlength=p.num_slots + 1)[p.logical_to_physical[e, :int(
+                        p.replica_count[e])]]
+                    checks.record(f"{tag} {phase} balanced replicas", int(per.max() - per.min()) <= 1,
+                                  per=per.tolist())
+
+        run_cases("before", placed, 0)
+        # the next placement: from the recorded load of every rank (greedy), or random
+        total = op.expert_load().clone()
+        dist.all_reduce(total)
+        new = balanced_placement(total, placed.num_slots, world) if si % 2 == 0 else random_placement(world, shared)
+        before = buffer_ptrs(op, layers)
+        op.rebalance(new, layers)
+        checks.record(f"{tag} rebalance keeps addresses", buffer_ptrs(op, layers) == before)
+        want = [prepare_stacked(spec_full.for_rank(rank, world, physical_experts=new.slots()), r.w13, r.w2,
+                                layout="separated") for r in raws]
+        checks.record(f"{tag} rebalanced slots hold their experts",
+                      all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for lw, ww in zip(layers, want)
+                          for a, b in zip(slot_tensors(lw), slot_tensors(ww))))
+        run_cases("after", new, 7)
+        for wc in op.warmup(layers[0], seed=seed):  # the engines' dummy batches, sentinels included
+            compare_elements(checks, f"{tag} warmup {wc.name}", wc.out,
+                             reference(spec_full, refs[0], wc.x, wc.topk_weights, wc.topk_ids, wire), wc.x)
+        op.reset_load()
+        checks.record(f"{tag} load reset", int(op.expert_load().sum()) == 0)
+        # a bad placement on the last rank: every rank refuses, nothing moved
+        bad = ExpertPlacement(new.physical_to_logical, new.logical_to_physical,
+                              new.replica_count + (rank == world - 1))
+        snapshot = [t.clone() for w in layers for t in slot_tensors(w)]
+        checks.expect_error(f"{tag} bad rebalance reaches every rank", lambda: op.rebalance(bad, layers),
+                            "rebalance refused", f"rank {world - 1}: replica tables: replica_count disagrees")
+        swapped = new.logical_to_physical.clone()
+        hot = int(new.replica_count.argmax())
+        swapped[hot, :2] = swapped[hot, :2].flip(0)
+        mixed = ExpertPlacement(new.physical_to_logical, swapped, new.replica_count) if rank == world - 1 else new
+        checks.expect_error(f"{tag} rebalance tables differing between ranks", lambda: op.rebalance(mixed, layers),
+                            "same placement (map and replica tables)", f"differing ranks [{world - 1}]")
+        checks.record(f"{tag} bad rebalance moved nothing",
+                      all(torch.equal(a, b) for a, b in zip(snapshot, (t for w in layers for t in slot_tensors(w)))))
+        op.close()
+    if transport == "torch":
+        redundant_build_errors(checks, rank, world)
+
+
+def redundant_build_errors(checks: Checks, rank: int, world: int) -> None:
+    """Wrong replica tables on the last rank: every rank's build raises, naming the rank and the problem."""
+    spec_full = MoESpec.create(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, max_tokens_per_rank=C)
+    good = random_placement(world, torch.Generator().manual_seed(5))
+    spec = spec_full.for_rank(rank, world, physical_experts=good.slots())
+    P, R = good.num_slots, good.num_slots - E + 1
+    table_out = good.logical_to_physical.clone()
+    table_out[1, 0] = P
+    no_replica = list(good.slots())
+    no_replica[no_replica.index(2)] = 3
+    cases = (
+        ("replica count", ExpertPlacement(good.physical_to_logical, good.logical_to_physical,
+                                          good.replica_count + 1), "replica_count disagrees"),
+        ("slot out of range", ExpertPlacement(good.physical_to_logical, table_out, good.replica_count),
+         f"outside [0, P={P})"),
+        ("table dtype", ExpertPlacement(good.physical_to_logical, good.logical_to_physical.int(), good.replica_count),
+         "logical_to_physical is torch.int32; allowed: an int64 tensor"),
+        ("table shape", ExpertPlacement(good.physical_to_logical, good.logical_to_physical[:, :R - 1],
+                                        good.replica_count), f"[num_experts, P - num_experts + 1] = [{E}, {R}]"),
+        ("expert without replica", ExpertPlacement.from_map(no_replica, E), "experts [2] have no physical slot"),
+    )
+    for name, bad, needle in cases:
+        mine = bad if rank == world - 1 else good
+        checks.expect_error(f"build: {name}", lambda: MegaMoE(spec, max_tokens_per_rank=C, experts_backend="torch",
+                                                             device="cpu", placement=mine),
+                            f"rank {world - 1}: replica tables:", needle)
+    swapped = good.logical_to_physical.clone()
+    hot = int(good.replica_count.argmax())
+    swapped[hot, :2] = swapped[hot, :2].flip(0)
+    mine = ExpertPlacement(good.physical_to_logical, swapped, good.replica_count) if rank == world - 1 else good
+    checks.expect_error("build: tables differ between ranks", lambda: MegaMoE(
+        spec, max_tokens_per_rank=C, experts_backend="torch", device="cpu", placement=mine),
+        "same physical map and replica tables", f"[{world - 1}]")
+    checks.expect_error("build: P not divisible by the EP size", lambda: spec_full.for_rank(
+        rank, world, physical_experts=tuple(range(E)) + (0,)), f"9 slots, not divisible by the EP world size {world}",
+        kind=SpecError)
 
 
 def scenario_errors(checks: Checks, rank: int, world: int, seed: int):
@@ -377,6 +548,10 @@ def main() -> int:
             scenario_gpu_graph(checks, rank, world, seed, info.local_rank, transport="symm")
         elif scenario == "errors":
             scenario_errors(checks, rank, world, seed)
+        elif scenario == "redundant":
+            scenario_redundant(checks, rank, world, seed)
+        elif scenario == "redundant_symm":
+            scenario_redundant(checks, rank, world, seed, transport="symm")
         elif scenario in ("peer_fails", "peer_dies"):
             scenario_peer_fails(checks, rank, world, seed, timeout_s, die=scenario == "peer_dies")
             print(f"DONE rank={rank} failed={checks.failed}", flush=True)

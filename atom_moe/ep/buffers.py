@@ -37,6 +37,17 @@ starting SYMM_ALIGN-aligned, the rest are ordinary device memory):
     epoch            int64 [1]      barriers passed
     error            int32 [1]      barrier waits that gave up on a peer
 local transport (EP = 1): no transport buffers.
+With redundant experts (spec.redundant: P physical slots, R = P - N + 1) every table above
+counts slots: E is P (expert_owner / owner [P + 1]); the workspace is sized for the P/W
+local slots. Plus, on every transport, the routing tables (updated in place by a rebalance):
+    slot_expert    int64 [P]            logical expert of each slot
+    replica_slots  int64 [N + 1, R]     slots of each expert (-1 padded); row N: the sentinel slot P
+    replica_count  int64 [N + 1]        replicas of each expert; 1 for the sentinel row
+    pair_index     int64 [C, k]         (rank * C + t) * k + j: which replica a pair takes
+    slot_ids       int64 [C, k]         the pairs' physical slot ids, written per forward
+With the load statistic on (record_load=True):
+    expert_load    int64 [N + 1]        (token, slot) pairs per logical expert since the last reset; N: sentinels
+    load_ones      int64 [C * k]        the ones index_add_ adds
 triton experts backend: plus, for the torch transport, expert_out bf16 [N, H] (the fused
 experts' output, read by the combine all-to-all), and the experts workspace for N rows (C for local), named
 "workspace.<field>", sized by atom_moe.experts.allocate_workspace on the meta device.
@@ -122,13 +133,27 @@ def _check_args(ep_size: int, max_tokens_per_rank: int, wire: str, transport: st
 
 
 def buffer_plan(spec: MoESpec, ep_size: int, max_tokens_per_rank: int, wire: str = "bf16", *,
-                transport: str | None = None, experts_backend: str = "torch") -> dict[str, BufferSpec]:
+                transport: str | None = None, experts_backend: str = "torch",
+                record_load: bool = False) -> dict[str, BufferSpec]:
     """Every persistent buffer (name -> shape, dtype) of a MegaMoE op; see the module docstring."""
     transport = transport or ("local" if ep_size == 1 else "torch")
     _check_args(ep_size, max_tokens_per_rank, wire, transport, experts_backend)
+    logical_experts, redundant = spec.num_experts, spec.redundant
+    spec = spec.kernel_spec  # buffers count physical slots, not logical experts
     W, C, H, k, E = ep_size, max_tokens_per_rank, spec.hidden_size, spec.top_k, spec.num_experts
     N, G = W * C, scale_groups(spec, wire)
     plan: dict[str, BufferSpec] = {}
+    if redundant:
+        plan.update(
+            slot_expert=BufferSpec((E,), torch.int64),
+            replica_slots=BufferSpec((logical_experts + 1, E - logical_experts + 1), torch.int64),
+            replica_count=BufferSpec((logical_experts + 1,), torch.int64),
+            pair_index=BufferSpec((C, k), torch.int64),
+            slot_ids=BufferSpec((C, k), torch.int64),
+        )
+    if record_load:
+        plan.update(expert_load=BufferSpec((logical_experts + 1,), torch.int64),
+                    load_ones=BufferSpec((C * k,), torch.int64))
     if transport == "torch":
         wd = wire_dtype(wire)
         plan.update(
@@ -186,10 +211,11 @@ def workspace_tensors(ws) -> dict[str, torch.Tensor]:
 
 
 def buffer_sizes(spec: MoESpec, ep_size: int, max_tokens_per_rank: int, wire: str = "bf16", *,
-                 transport: str | None = None, experts_backend: str = "torch") -> dict[str, int]:
+                 transport: str | None = None, experts_backend: str = "torch",
+                 record_load: bool = False) -> dict[str, int]:
     """Bytes of every persistent buffer of a MegaMoE op (name -> bytes); sum them for the total."""
     plan = buffer_plan(spec, ep_size, max_tokens_per_rank, wire, transport=transport,
-                       experts_backend=experts_backend)
+                       experts_backend=experts_backend, record_load=record_load)
     return {name: b.nbytes for name, b in plan.items()}
 
 

@@ -7,6 +7,7 @@ Lifecycle (docs/ep.md): build once per (spec, EP group, max_tokens_per_rank) -> 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -14,10 +15,12 @@ import torch
 import torch.distributed as dist
 
 from ..inputs import warn_fp32
+from ..placement import ExpertPlacement, physical_ids, slot_moves
 from ..spec import MoESpec
 from ..weights import PreparedWeights
 from .buffers import BACKENDS, TRANSPORTS, WIRES, buffer_plan, check_limits, workspace_tensors
 from .paths import combine_mode
+from .rebalance import move_slots, refresh_kernel_flags
 from .symm import SymmTransport, cuda_heap, heap_nbytes, shm_heap
 from .transports import LocalTransport, TorchTransport, Transport, allocate
 
@@ -54,14 +57,22 @@ class MegaMoE:
     gloo all_gather per forward) so an overflow or invalid input on one rank raises on
     every rank. With False each rank checks only itself, and a peer's failure surfaces
     as a process-group timeout instead.
+    placement: redundant experts only (spec.redundant): the replica tables routing uses;
+    their physical_to_logical must be the spec's physical_experts. None: derived from the
+    spec, each expert's replicas in slot order.
+    record_load: keep the per-expert load statistic (`expert_load()`); off by default.
     """
 
     def __init__(self, spec: MoESpec, group: dist.ProcessGroup | None = None, *,
                  max_tokens_per_rank: int | None = None, transport: str = "auto", wire: str = "bf16",
                  experts_backend: str = "auto", device: torch.device | str | None = None,
                  cpu_group: dist.ProcessGroup | None = None, check_tokens: bool = True,
-                 timeout: timedelta = timedelta(minutes=5)) -> None:
+                 timeout: timedelta = timedelta(minutes=5), placement: ExpertPlacement | None = None,
+                 record_load: bool = False) -> None:
         self.spec = spec
+        self.kspec = spec.kernel_spec  # what transports, kernels and weights see: physical slots
+        self.record_load = bool(record_load)
+        self.placement = placement
         self.max_tokens_per_rank = spec.max_tokens_per_rank if max_tokens_per_rank is None else max_tokens_per_rank
         self.check_tokens = check_tokens
         self.device = _normalize_device(device)
@@ -85,7 +96,7 @@ class MegaMoE:
 
     def _build(self, transport: str, wire: str, experts_backend: str) -> None:
         spec = self.spec
-        problem = self._local_build_problem(transport, wire, experts_backend)
+        problem = self._local_build_problem(transport, wire, experts_backend) or self._placement_problem()
         owners = self._agree_at_build(problem)  # raises on every rank if any rank is at fault
         self.wire = wire
         self.experts_backend = self._resolve_backend(experts_backend)
@@ -94,9 +105,10 @@ class MegaMoE:
                      experts_backend=self.experts_backend)  # same inputs on every rank: all raise alike
 
         plan = buffer_plan(spec, self.world, self.max_tokens_per_rank, wire, transport=self.transport_name,
-                           experts_backend=self.experts_backend)
+                           experts_backend=self.experts_backend, record_load=self.record_load)
         self.buffers = allocate({n: b for n, b in plan.items() if not n.startswith(("workspace.", "symm."))},
                                 self.device)
+        self._init_routing_tables()
         self.transport: Transport | SymmTransport
         if self.transport_name == "local":
             self.transport = LocalTransport(self.max_tokens_per_rank)
@@ -105,24 +117,67 @@ class MegaMoE:
             heap = (cuda_heap(heap_nbytes(layout), self.group, self.device) if self.device.type == "cuda"
                     else shm_heap(heap_nbytes(layout), self.cpu_group))
             self.buffers.update(heap.views(layout))
-            self.transport = SymmTransport(spec, self.rank, self.world, self.max_tokens_per_rank, wire, owners,
+            self.transport = SymmTransport(self.kspec, self.rank, self.world, self.max_tokens_per_rank, wire, owners,
                                            self.buffers, heap)
             # every peer zeroed its heap before anyone may push into it
             dist.barrier(group=self.cpu_group)
         else:
-            self.transport = TorchTransport(spec, self.group, self.rank, self.world, self.max_tokens_per_rank,
+            self.transport = TorchTransport(self.kspec, self.group, self.rank, self.world, self.max_tokens_per_rank,
                                             wire, owners, self.buffers)
         self._workspace = None
         if self.experts_backend == "triton":
             from ..experts import allocate_workspace
             with torch.inference_mode(False), torch.no_grad():
-                self._workspace = allocate_workspace(spec, self.transport.rows, self.device)
+                self._workspace = allocate_workspace(self.kspec, self.transport.rows, self.device)
             self.buffers.update({f"workspace.{n}": t for n, t in workspace_tensors(self._workspace).items()})
         # host-side agreement buffers: [num_tokens, error flag] per rank, reused every call
         self._mine = torch.zeros(2, dtype=torch.int64)
         self._all = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world)]
 
     # ------------------------------------------------------------------ build helpers
+    def _placement_problem(self) -> str | None:
+        """What is wrong with the replica tables (redundant experts), or None; also fills self.placement."""
+        s = self.spec
+        if not s.redundant:
+            return None if self.placement is None else (
+                "placement= (replica tables) needs a spec with redundant experts: build it with "
+                "spec.for_rank(rank, world, physical_experts=placement.slots())")
+        if self.placement is None:
+            self.placement = ExpertPlacement.from_map(s.placement.physical_experts, s.num_experts)
+        if not isinstance(self.placement, ExpertPlacement):
+            return f"placement must be an ExpertPlacement, got {type(self.placement).__name__}"
+        problem = self.placement.problem(s.num_experts, self.world)
+        if problem is None and self.placement.slots() != s.placement.physical_experts:
+            problem = ("placement.physical_to_logical differs from the spec's physical_experts (the weights are "
+                       "prepared for the spec's map): pass the same map to both")
+        return None if problem is None else f"replica tables: {problem}"
+
+    def _init_routing_tables(self) -> None:
+        """Fill the redundant-expert routing tables and the load statistic's buffers (once, at build)."""
+        b, s = self.buffers, self.spec
+        with torch.inference_mode(False), torch.no_grad():
+            if self.record_load:
+                b["expert_load"].zero_()
+                b["load_ones"].fill_(1)
+            if not s.redundant:
+                return
+            C, k = self.max_tokens_per_rank, s.top_k
+            pairs = torch.arange(C * k, dtype=torch.int64).view(C, k) + self.rank * C * k
+            b["pair_index"].copy_(pairs)
+            b["slot_ids"].fill_(s.num_physical_experts)
+            self._write_tables(self.placement)
+
+    def _write_tables(self, placement: ExpertPlacement) -> None:
+        """Copy a placement into the persistent routing tables in place (addresses unchanged)."""
+        b, N, P = self.buffers, self.spec.num_experts, self.spec.num_physical_experts
+        with torch.inference_mode(False), torch.no_grad():
+            b["slot_expert"].copy_(placement.physical_to_logical)
+            b["replica_slots"][:N].copy_(placement.logical_to_physical)
+            b["replica_slots"][N].fill_(-1)
+            b["replica_slots"][N, 0] = P  # sentinel ids go to slot P, which no rank owns
+            b["replica_count"][:N].copy_(placement.replica_count)
+            b["replica_count"][N] = 1
+
     def _resolve_group(self, group):
         if group is None and dist.is_available() and dist.is_initialized():
             group = dist.group.WORLD
@@ -186,10 +241,12 @@ class MegaMoE:
 
     def _agree_at_build(self, problem: str | None) -> list[int]:
         """Exchange each rank's view; raise the same error everywhere on any mismatch; return expert owners."""
-        s = self.spec
-        mine = dict(problem=problem, mtpr=self.max_tokens_per_rank, local=list(s.local_experts),
-                    layer=(s.hidden_size, s.intermediate_size, s.num_experts, s.top_k, s.scheme.value,
-                           s.activation, s.has_bias))
+        s, ks = self.spec, self.kspec
+        tables = None if problem or self.placement is None else [t.tolist() for t in (
+            self.placement.physical_to_logical, self.placement.logical_to_physical, self.placement.replica_count)]
+        mine = dict(problem=problem, mtpr=self.max_tokens_per_rank, local=list(ks.local_experts), tables=tables,
+                    layer=(s.hidden_size, s.intermediate_size, s.num_experts, s.num_physical_experts, s.top_k,
+                           s.scheme.value, s.activation, s.has_bias))
         views = [mine]
         if self.world > 1:
             views = [None] * self.world
@@ -204,8 +261,13 @@ class MegaMoE:
         layers = [v["layer"] for v in views]
         if any(layer != layers[0] for layer in layers):
             per_rank = "; ".join(f"rank {r}: {x}" for r, x in enumerate(layers))
-            raise MegaMoEError("every EP rank must build the op for the same layer shape; (H, I, E, top_k, scheme, "
-                               f"activation, has_bias) per rank: {per_rank}")
+            raise MegaMoEError("every EP rank must build the op for the same layer shape; (H, I, E, P, top_k, "
+                               f"scheme, activation, has_bias) per rank: {per_rank}")
+        if any(v["tables"] != views[0]["tables"] for v in views):
+            raise MegaMoEError("every EP rank must build the op with the same physical map and replica tables; "
+                               "they differ between ranks " + str([r for r, v in enumerate(views)
+                                                                  if v["tables"] != views[0]["tables"]]))
+        s = ks  # the placements partition the physical slots (the experts themselves without redundancy)
         owner_of: dict[int, list[int]] = {}
         for r, v in enumerate(views):
             for e in v["local"]:
@@ -243,7 +305,7 @@ class MegaMoE:
     def bind(self, weights: PreparedWeights) -> "MegaMoE":
         """Point the op at one layer's prepared local weights (a reference swap, no copy)."""
         self._check_open()
-        weights.check(self.spec)
+        weights.check(self.kspec)
         if weights.w2.device != self.device:
             raise MegaMoEError(f"weights are on {weights.w2.device}, the op's buffers on {self.device}")
         self._weights = weights
@@ -268,6 +330,11 @@ class MegaMoE:
                        f"{list(out.shape)} {out.dtype} on {out.device}")
         num_tokens = self._agree_on_call(x, problem)
         warn_fp32(x, "MegaMoE.forward")
+        if self.record_load:
+            self._count_load(topk_ids)
+        if self.spec.redundant:  # logical ids -> one replica's slot per (token, slot); all downstream sees slots
+            b = self.buffers
+            topk_ids = physical_ids(topk_ids, b["replica_slots"], b["replica_count"], b["pair_index"], b["slot_ids"])
         if self.transport_name == "symm":
             return self._forward_symm(x, topk_weights, topk_ids, out)
         if num_tokens == 0 and self.transport_name == "local":  # nothing to compute, nobody to serve
@@ -295,7 +362,7 @@ class MegaMoE:
 
         def experts(xin, x_scale, w, ids, remote):
             from ..experts import fused_experts
-            fused_experts(xin, w, ids, self._weights, self.spec, workspace=self._workspace, config=cfg,
+            fused_experts(xin, w, ids, self._weights, self.kspec, workspace=self._workspace, config=cfg,
                           x_scale=x_scale, remote=remote)
 
         for _, step in tr.steps(x, topk_weights, topk_ids, out, mode, experts):
@@ -318,10 +385,10 @@ class MegaMoE:
             from ..experts import fused_experts
             if out is None:  # torch transport: persistent; local: the caller's out, else a fresh [T, H]
                 out = self.buffers.get("expert_out")
-            return fused_experts(x, w, ids, self._weights, self.spec, workspace=self._workspace, out=out,
+            return fused_experts(x, w, ids, self._weights, self.kspec, workspace=self._workspace, out=out,
                                  config=self._config(self._tokens))
         from ..experts_torch import experts_torch
-        return experts_torch(x, w, ids, self._weights, self.spec)
+        return experts_torch(x, w, ids, self._weights, self.kspec)
 
     def _input_problem(self, x, topk_weights, topk_ids) -> str | None:
         """What is wrong with this rank's call, or None (checked before any collective)."""
@@ -377,6 +444,84 @@ class MegaMoE:
                                + "; nothing was sent. Rebuild the op with a larger max_tokens_per_rank "
                                "or split the batch")
         return T
+
+    # ------------------------------------------------------------------ load statistic, rebalancing
+    def _count_load(self, topk_ids: torch.Tensor) -> None:
+        b, N = self.buffers, self.spec.num_experts
+        valid = (topk_ids >= 0) & (topk_ids < N)
+        e = torch.where(valid, topk_ids, N).long().view(-1)  # sentinels land in the extra entry N
+        b["expert_load"].index_add_(0, e, b["load_ones"][:e.numel()])
+
+    def expert_load(self) -> torch.Tensor:
+        """int64 [N]: (token, slot) pairs routed to each logical expert on this rank since the last reset.
+
+        The op's persistent buffer itself (clone it to keep a snapshot); needs record_load=True.
+        """
+        self._check_open()
+        if not self.record_load:
+            raise MegaMoEError("the load statistic is off: build the op with record_load=True")
+        return self.buffers["expert_load"][:self.spec.num_experts]
+
+    def reset_load(self) -> None:
+        """Zero the load statistic in place (no reallocation)."""
+        self.expert_load()
+        self.buffers["expert_load"].zero_()
+
+    def rebalance(self, placement: ExpertPlacement, layers: Sequence[PreparedWeights]) -> list[int]:
+        """Apply a new placement in place (collective: every rank, same placement, its own layers in the same order).
+
+        Copies expert weights between slots over the EP group, then rewrites the routing
+        tables; no buffer or weight tensor is reallocated, so captured CUDA graphs stay valid.
+        Returns the indices of MXFP4 layers whose kernel flags rose (recapture their graphs).
+        """
+        self._check_open()
+        problem = self._rebalance_problem(placement, layers)
+        tables = None if problem else [t.tolist() for t in (
+            placement.physical_to_logical, placement.logical_to_physical, placement.replica_count)]
+        mine = (problem, tables, len(layers))
+        views = [mine]
+        if self.world > 1:
+            views = [None] * self.world
+            dist.all_gather_object(views, mine, group=self.cpu_group)
+        problems = [f"rank {r}: {v[0]}" for r, v in enumerate(views) if v[0]]
+        if problems:
+            raise MegaMoEError("MegaMoE rebalance refused, nothing moved: " + "; ".join(problems))
+        if any(v[1:] != views[0][1:] for v in views):
+            raise MegaMoEError("MegaMoE rebalance refused, nothing moved: every rank must pass the same placement "
+                               "(map and replica tables) and the same number of layers; differing ranks "
+                               + str([r for r, v in enumerate(views) if v[1:] != views[0][1:]]) + ", layers per rank: "
+                               + ", ".join(f"rank {r}: {v[2]}" for r, v in enumerate(views)))
+        moves = slot_moves(self.placement.slots(), placement.slots(), self.world)
+        slots = self.spec.num_physical_experts // self.world
+        if moves:
+            move_slots(layers, moves, self.rank, self.world, slots, self.group)
+        self._write_tables(placement)
+        self.placement = placement
+        return [i for i, w in enumerate(layers) if refresh_kernel_flags(w)]
+
+    def _rebalance_problem(self, placement, layers) -> str | None:
+        s = self.spec
+        if not s.redundant:
+            return ("rebalance needs redundant experts: build the spec with physical_experts "
+                    "(spec.for_rank(rank, world, physical_experts=...))")
+        if _capturing(self.device):
+            return "rebalance cannot run inside a CUDA graph capture; call it between steps"
+        if not isinstance(placement, ExpertPlacement):
+            return f"placement must be an ExpertPlacement, got {type(placement).__name__}"
+        problem = placement.problem(s.num_experts, self.world)
+        if problem:
+            return f"replica tables: {problem}"
+        if placement.num_slots != s.num_physical_experts:
+            return (f"the new placement has {placement.num_slots} slots, the op {s.num_physical_experts}; the slot "
+                    f"count is fixed at build")
+        for i, w in enumerate(layers):
+            try:
+                w.check(self.kspec)
+            except ValueError as exc:
+                return f"layer {i}: {exc}"
+            if w.w2.device != self.device:
+                return f"layer {i}: weights are on {w.w2.device}, the op's buffers on {self.device}"
+        return None
 
     # ------------------------------------------------------------------ warm-up, accounting, teardown
     def warmup(self, weights: PreparedWeights | None = None, *, seed: int = 0) -> list[WarmupCase]:

@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "plan": ("atom_moe.tools.plan", "largest safe token budget, memory per rank and engine flags for a MoE model"),
     "accuracy": ("atom_moe.tools.accuracy", "layer-level relative error of MegaMoE against the fp32 reference"),
     "tune": ("atom_moe.tools.tune", "tune the kernels' tile configs inside the MegaMoE op; write the CSV table"),
+    "place": ("atom_moe.tools.place", "propose a redundant-expert placement (EPLB) from recorded per-expert counts"),
     "env": ("atom_moe.tools.env", "versions, device, schemes on our kernels, tuned rows, plugin entry points, shadowing"),
 }
 

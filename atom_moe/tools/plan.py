@@ -24,7 +24,7 @@ from ..ep.buffers import INT32_MAX, INT64_INDEXED, WIRES, BufferLimitError, buff
 from ..checkpoint.config import ModelLayer, load_model
 from ..spec import MoESpec, Scheme, SpecError
 from ..weights import prepared_nbytes
-from .args import fraction, nonnegative_float, positive_float, positive_int
+from .args import fraction, nonnegative_float, nonnegative_int, positive_float, positive_int
 
 GiB = 2**30
 SEARCH_CAP = 2**20  # tokens per rank: a budget search stops here (no engine step is this large)
@@ -125,7 +125,7 @@ class Plan:
 def make_plan(layer: ModelLayer, *, ep: int, dp: int | None = None, tp: int = 1, tokens: int | None = None,
               gpu_bytes: int, utilization: float = 0.9, reserve_bytes: int = 0, wire: str = "bf16",
               experts_backend: str = "auto", transport: str | None = None, fused: bool | None = None,
-              buffer_share: float = 0.1) -> Plan:
+              buffer_share: float = 0.1, redundant_experts: int = 0) -> Plan:
     """Plan one layout; `tokens=None` plans the recommended budget. Raises PlanError on bad input.
 
     fused=None: MegaMoE fused wherever the engines run it (TP 1, DP = EP > 1); False: the
@@ -160,8 +160,16 @@ def make_plan(layer: ModelLayer, *, ep: int, dp: int | None = None, tp: int = 1,
         raise PlanError(f"--tokens must be a positive int, got {tokens}")
     if gpu_bytes <= 0 or reserve_bytes < 0:
         raise PlanError(f"GPU memory must be > 0 and the reserve >= 0, got {gpu_bytes} and {reserve_bytes} bytes")
+    N, R = layer.spec.num_experts, redundant_experts
+    if not isinstance(R, int) or R < 0:
+        raise PlanError(f"--redundant-experts must be an int >= 0, got {R!r}")
+    if R and (N + R) % ep:
+        raise PlanError(f"--redundant-experts {R}: the {N} experts + {R} redundant = {N + R} slots must divide over "
+                        f"EP {ep}; allowed: R with (N + R) % EP == 0, e.g. {R + (-(N + R)) % ep}")
+    # sizes depend on the slot count alone: any map of N + R slots stands for the placement
+    physical = tuple(range(N)) + tuple(e % N for e in range(R)) if R else None
     try:
-        spec = layer.spec.for_rank(0, ep)
+        spec = layer.spec.for_rank(0, ep, physical_experts=physical)
     except SpecError as exc:
         raise PlanError(f"{layer.name} at EP {ep}: {exc}") from None
     backend = experts_backend_for(spec, experts_backend)
@@ -299,7 +307,10 @@ def format_plan(plan: Plan, engines: tuple[str, ...], model: str) -> str:
     out = [f"model: {L.name}: {L.moe_layers} MoE layers, scheme {s.scheme.value}, H={s.hidden_size} "
            f"I={s.intermediate_size} E={s.num_experts} top_k={s.top_k}",
            f"layout {plan.layout}: {LAYOUTS.get(plan.layout, 'TP x DP attention + EP with the engine dispatch, our experts step')}",
-           f"  {plan.gpus} GPU(s), EP {plan.ep} ({s.num_local_experts} experts per rank), attention DP "
+           f"  {plan.gpus} GPU(s), EP {plan.ep} ("
+           + (f"{s.num_local_experts} slots per rank: {s.num_physical_experts} = {s.num_experts} experts + "
+              f"{s.num_physical_experts - s.num_experts} redundant" if s.redundant
+              else f"{s.num_local_experts} experts per rank") + "), attention DP "
            f"{plan.dp}, TP {plan.tp}; transport {plan.transport if plan.fused else 'none (no MegaMoE dispatch)'}, "
            f"wire {plan.wire}, experts {plan.backend}",
            f"token budget: {plan.tokens} tokens per rank per forward"
@@ -407,6 +418,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="memory to keep for everything but the routed experts and MegaMoE buffers: dense and "
                              "attention weights, activations, a minimal KV cache")
     parser.add_argument("--wire", default="bf16", choices=WIRES, help="dispatch wire format (fused, EP > 1)")
+    parser.add_argument("--redundant-experts", type=nonnegative_int, default=0,
+                        help="extra physical expert slots (EPLB): weights and buffers count N + this many slots")
     parser.add_argument("--experts-backend", default="auto", choices=("auto", "triton", "torch"),
                         help="experts backend: auto is what the op picks on a GPU (Triton where it takes the scheme)")
     parser.add_argument("--engine", action="append", choices=ENGINES, help="repeatable; none: both")
@@ -443,7 +456,8 @@ def run(args: argparse.Namespace) -> int:
         kw = dict(gpu_bytes=gpu_bytes, utilization=args.gpu_memory_utilization,
                   reserve_bytes=int(args.reserve_gib * GiB), experts_backend=args.experts_backend,
                   buffer_share=args.buffer_share)
-        plan = make_plan(layer, ep=ep, dp=dp, tp=tp, tokens=args.tokens, wire=args.wire, fused=fused, **kw)
+        plan = make_plan(layer, ep=ep, dp=dp, tp=tp, tokens=args.tokens, wire=args.wire, fused=fused,
+                         redundant_experts=args.redundant_experts, **kw)
         summary = format_layouts(layer, gpus, args.decode_tokens, args.prefill_tokens, **kw)
     except (PlanError, SpecError, ValueError) as exc:
         print(f"atom-moe plan: error: {exc}", file=sys.stderr)
