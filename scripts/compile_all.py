@@ -6,7 +6,7 @@ machine does not have (sm_90a: H100/H200; gfx942, gfx950: MI300X, MI355X). No GP
 
 The real launchers run on small CPU tensors with Triton's launch replaced by a recorder: the
 experts step (routing, GEMM1, GEMM2, the separate combine) for every scheme and every tile
-variant the tables or the heuristic can pick (scripts/hip_compile.py's list), and MegaMoE's
+variant the tables or the heuristic can pick, and MegaMoE's
 symm transport (dispatch, barrier, combine) with two simulated ranks. Each distinct (kernel, argument types, compile-time values, warps, stages) is then
 compiled for each target, with the interpreter's workarounds (INTERP, EMULATE) off, as a GPU
 build has them. Kernel outputs are never computed: nothing here checks numbers (the
@@ -20,6 +20,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,13 +35,13 @@ sys.path.insert(0, str(ROOT))
 if os.environ.get("TRITON_INTERPRET") == "1":  # @triton.jit would give interpreter functions, not compilable ones
     sys.exit("compile_all.py compiles the real kernels: run it without TRITON_INTERPRET=1")
 
-import hip_compile  # noqa: E402  (the tile variants the tables and the heuristic can pick)
-
 from atom_moe.kernels import common as kcommon  # noqa: E402
 from atom_moe.kernels import gemm1, gemm2, mxfp4, routing, transport, tuning  # noqa: E402
 
 TARGETS = {"sm_90a": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942", 64),
            "gfx950": GPUTarget("hip", "gfx950", 64)}
+SCHEMES = ("bf16", "fp8", "a16w4", "a8w4")
+TOKENS = (1, 8, 32, 128, 512, 2048, 8192)  # the token buckets the heuristic is asked about
 INTERPRETER_SWITCHES = ("INTERP", "EMULATE")  # constexprs that only the interpreter sets True
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
            torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8", torch.int16: "i16", torch.bool: "i1",
@@ -100,8 +101,8 @@ def _exercise() -> None:
 
     g = torch.Generator().manual_seed(0)
     H, I, E, K, T = 256, 256, 8, 4, 16
-    configs = _table_configs()
-    for scheme in hip_compile.SCHEMES:
+    configs = table_configs(SCHEMES)
+    for scheme in SCHEMES:
         spec = MoESpec.create(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, scheme=scheme,
                               max_tokens_per_rank=T)
         raw = random_layer(spec, generator=g)
@@ -120,22 +121,38 @@ def _exercise() -> None:
             group.forward(mine, list(xs), list(ws), list(ts), outs, [FUSED, SPLIT])
 
 
-def _table_configs() -> dict[str, list[tuning.TileConfig]]:
-    """Every TileConfig hip_compile's variant list is made of, per scheme."""
+def table_configs(schemes: tuple[str, ...]) -> dict[str, list[tuning.TileConfig]]:
+    """Every TileConfig the lookup can return, per scheme: each table row, and the heuristic's pick
+    for every preset at every token bucket."""
     import csv
-    out: dict[str, set] = {}
+
+    from atom_moe.presets import PRESETS
+    out: dict[str, set] = {scheme: set() for scheme in schemes}
     for path in sorted(tuning.CONFIG_DIR.glob("*.csv")):
         with open(path, newline="") as fh:
             for row in csv.DictReader(fh):
-                out.setdefault(row["scheme"], set()).add(
-                    tuning.TileConfig(*(int(row[c]) for c in tuning.CONFIG_COLUMNS)))
-    from atom_moe.presets import PRESETS
+                if row["scheme"] in out:
+                    out[row["scheme"]].add(tuning.TileConfig(*(int(row[c]) for c in tuning.CONFIG_COLUMNS)))
     for spec in PRESETS.values():
-        for scheme in hip_compile.SCHEMES:
-            for tokens in hip_compile.TOKENS:
-                out.setdefault(scheme, set()).add(tuning.heuristic(
-                    scheme, spec.hidden_size, spec.intermediate_size, spec.num_experts, spec.top_k, tokens))
+        for scheme in schemes:
+            for tokens in TOKENS:
+                out[scheme].add(tuning.heuristic(scheme, spec.hidden_size, spec.intermediate_size,
+                                                 spec.num_experts, spec.top_k, tokens))
     return {k: sorted(v, key=str) for k, v in out.items()}
+
+
+def run_builds(jobs: list[tuple[str, Callable[[], int]]], what: str) -> int:
+    """Run each (label, build) job (build() -> binary size in bytes), print one line each and a
+    summary; return the number that failed."""
+    failed, start = 0, time.time()
+    for label, build in jobs:
+        try:
+            print(f"{label} {build()} B", flush=True)
+        except Exception as exc:  # report every failing build, then fail the run
+            failed += 1
+            print(f"{label} FAILED {type(exc).__name__}: {str(exc)[:400]}", flush=True)
+    print(f"{len(jobs) - failed} of {len(jobs)} {what} in {time.time() - start:.0f} s (triton {triton.__version__})")
+    return failed
 
 
 def compile_one(kernel: JITFunction, sig: dict, ce: dict, div: list, options: dict, target: GPUTarget) -> int:
@@ -173,24 +190,21 @@ def main(argv: list[str] | None = None) -> int:
                     f"{', '.join(sorted({k[0] for k in launches}))}")
         for key in [k for k in launches if k[0] not in args.kernels]:
             del launches[key]
-    failed = 0
+    jobs = []
     for target in args.target:
-        if TARGETS[target].backend == "hip":
-            mxfp4.PRMT_OK = tl.constexpr(False)  # what a ROCm torch sets: no PTX byte permute there
         for key, (kernel, sig, ce, div, options) in sorted(launches.items(), key=lambda kv: str(kv[0])):
-            what = f"{target} {kernel.__name__} {options} " + " ".join(
-                f"{k}={v}" for k, v in ce.items() if k.isupper() and v is not None and not callable(v))
-            try:
-                size = compile_one(kernel, sig, ce, div, options, TARGETS[target])
-                print(f"{what}: {size} B", flush=True)
-            except Exception as exc:  # report every failing launch, then fail the run
-                failed += 1
-                print(f"{what}: FAILED {type(exc).__name__}: {str(exc)[:400]}", flush=True)
-    total = len(launches) * len(args.target)
-    print(f"{total - failed} of {total} builds passed for {', '.join(args.target)} in {time.time() - start:.0f} s "
-          f"(triton {triton.__version__})")
-    return 1 if failed else 0
+            label = f"{target} {kernel.__name__} {options} " + " ".join(
+                f"{k}={v}" for k, v in ce.items() if k.isupper() and v is not None and not callable(v)) + ":"
+            jobs.append((label, _builder(kernel, sig, ce, div, options, target)))
+    return 1 if run_builds(jobs, f"builds passed for {', '.join(args.target)}") else 0
 
+
+def _builder(kernel, sig, ce, div, options, target: str):
+    def build() -> int:
+        # a ROCm torch sets this False: PTX's byte permute does not exist on AMD
+        mxfp4.PRMT_OK = tl.constexpr(TARGETS[target].backend == "cuda")
+        return compile_one(kernel, sig, ce, div, options, TARGETS[target])
+    return build
 
 if __name__ == "__main__":
     sys.exit(main())

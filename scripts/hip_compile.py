@@ -14,9 +14,7 @@ torch), so this script turns that switch off for the HIP build, as a ROCm torch 
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
-import time
 from pathlib import Path
 
 import triton
@@ -26,34 +24,22 @@ from triton.compiler import ASTSource
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
+import compile_all  # noqa: E402  (the variants the tables and the heuristic can pick; the build report)
 import kernel_sass  # noqa: E402  (the kernels' signatures and compile-time switches, shared with the SASS counter)
 
-from atom_moe.kernels import mxfp4, tuning  # noqa: E402
-from atom_moe.presets import PRESETS  # noqa: E402
+from atom_moe.kernels import mxfp4  # noqa: E402
 
 ARCHS = ("gfx942", "gfx950")
-SCHEMES = ("bf16", "fp8", "a16w4", "a8w4")
-TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
+SCHEMES = compile_all.SCHEMES
 
 
 def variants(schemes: tuple[str, ...]) -> set[tuple]:
     """(kernel, scheme, block_m, block_n, block_k, warps, stages) for every config the lookup can return."""
-    configs: set[tuple[str, tuning.TileConfig]] = set()
-    for path in sorted(tuning.CONFIG_DIR.glob("*.csv")):
-        with open(path, newline="") as fh:
-            for row in csv.DictReader(fh):
-                if row["scheme"] in schemes:
-                    configs.add((row["scheme"], tuning.TileConfig(
-                        *(int(row[c]) for c in tuning.CONFIG_COLUMNS))))
-    for spec in PRESETS.values():
-        for scheme in schemes:
-            for tokens in TOKENS:
-                configs.add((scheme, tuning.heuristic(scheme, spec.hidden_size, spec.intermediate_size,
-                                                      spec.num_experts, spec.top_k, tokens)))
     out = set()
-    for scheme, c in configs:
-        out.add(("gemm1", scheme, c.block_m, c.block_n1, c.block_k1, c.warps1, c.stages1))
-        out.add(("gemm2", scheme, c.block_m, c.block_n2, c.block_k2, c.warps2, c.stages2))
+    for scheme, configs in compile_all.table_configs(schemes).items():
+        for c in configs:
+            out.add(("gemm1", scheme, c.block_m, c.block_n1, c.block_k1, c.warps1, c.stages1))
+            out.add(("gemm2", scheme, c.block_m, c.block_n2, c.block_k2, c.warps2, c.stages2))
     return out
 
 
@@ -79,20 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     mxfp4.PRMT_OK = tl.constexpr(False)  # what a ROCm torch sets: the PTX byte permute does not exist there
     todo = sorted(variants(tuple(args.schemes)))
-    failed = 0
-    start = time.time()
-    for arch in args.arch:
-        for v in todo:
-            try:
-                size = compile_hip(*v, arch)
-                print(f"{arch} {' '.join(map(str, v))}: hsaco {size} B", flush=True)
-            except Exception as exc:  # report every failing variant, then fail the run
-                failed += 1
-                print(f"{arch} {' '.join(map(str, v))}: FAILED {type(exc).__name__}: {str(exc)[:400]}", flush=True)
-    total = len(todo) * len(args.arch)
-    print(f"{total - failed} of {total} variants built for {', '.join(args.arch)} in {time.time() - start:.0f} s "
-          f"(triton {triton.__version__})")
-    return 1 if failed else 0
+    jobs = [(f"{arch} {' '.join(map(str, v))}: hsaco", lambda v=v, arch=arch: compile_hip(*v, arch))
+            for arch in args.arch for v in todo]
+    return 1 if compile_all.run_builds(jobs, f"variants built for {', '.join(args.arch)}") else 0
 
 
 if __name__ == "__main__":
