@@ -22,14 +22,16 @@ What is checked, per server of the matrix below:
 Batch variance: vLLM's CPU MLA attention (DeepSeek-V3) gives a request different bits
 depending on what it is batched with, so DeepSeek-V3 prompts go one at a time on both sides;
 Qwen3-MoE's CPU attention is batch-invariant here, so its prompts go as one batch, except to a
-DP 2 server: it splits a batch between its two engines (other neighbours than the reference's;
-on 2026-12-02 that moved one logprob by 3.8 bounds and one greedy token), so there the prompts
-go one at a time, compared with the reference's answers to the same one-at-a-time requests.
+DP 2 server: it splits a batch between its two engines (other neighbours than the reference's),
+so there the prompts go one at a time, compared with the reference's answers to the same
+one-at-a-time requests.
 
 The matrix (CI has 2 cores; each start costs about 1-2.5 minutes there, compiled starts the
-most): Qwen3-MoE compiled with flag off (reference), ATOM_USE_FLYDSL=1 and, on DP 2 + EP 2,
-ATOM_USE_FLYDSL_FUSED=1 (MegaMoE); DeepSeek-V3 eager with flag off, ATOM_USE_FLYDSL=1 and the
-planted bug (against the same flag-off reference, so the bug costs one eager start).
+most): test_vllm_serve runs Qwen3-MoE compiled with flag off (reference) and ATOM_USE_FLYDSL=1,
+and DeepSeek-V3 eager with flag off, ATOM_USE_FLYDSL=1 and the planted bug (against the same
+flag-off reference, so the bug costs one eager start); test_vllm_serve_dp_ep runs
+ATOM_USE_FLYDSL_FUSED=1 (MegaMoE) on DP 2 + EP 2, compiled, against a one-rank flag-off server,
+on a Qwen3-MoE whose only MoE layer is the last (DP_MATRIX says why).
 ATOM_USE_FLYDSL_FUSED=1 at one rank is the experts path with another flag value (nothing to
 dispatch) and DP 2 with ATOM_USE_FLYDSL=1 cannot run on the CPU (vLLM's naive DP dispatch has
 no CPU kernel; docs/vllm.md), so neither is served here. ATOM_MOE_SERVE_FULL=1 adds DeepSeek-V3
