@@ -193,7 +193,7 @@ COMPILED_FACTOR = 2.0  # compiled: Inductor re-rounds the rest of the model once
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
-def test_compiled_generate_with_our_experts_matches_own_experts(model_type, seed):
+def test_compiled_generate_with_our_experts_matches_fp32_experts(model_type, seed):
     """Ours eager and compiled are no further from the fp32 experts than a bounded multiple of the model's own."""
     pytest.importorskip("transformers")
     model = build(model_type, seed)
