@@ -195,6 +195,26 @@ def test_vllm_layer_matches_reference(seed, vllm_src, bf16_interpreter, case):
     assert text.startswith("vs reference")
 
 
+@pytest.mark.parametrize("scheme,H,I,E,k,key", [("fp8", 256, 256, 256, 2, "E=256,N=256,device_name=NVIDIA_H200,dtype=fp8_w8a8"),
+                                                 ("bf16", 128, 1024, 128, 2, "E=128,N=1024,device_name=NVIDIA_H200.json")])
+def test_vllm_tuned_layer(seed, vllm_src, bf16_interpreter, scheme, H, I, E, k, key):
+    """vLLM's shipped H200 table of this exact key: the entry of the batch size nearest T, and its result."""
+    import json
+    spec, p = blocky_layer(H, I, E, k, scheme)
+    layer = vb.from_prepared(vb.load(vllm_src, capability=(9, 0)), p, spec).with_tuned("NVIDIA H200")
+    assert layer.config_name.startswith(key) and "exact key" in layer.config_name
+    table = json.loads(next((vllm_src / vb.FUSED_MOE / "configs").glob(key.removesuffix(".json") + "*.json")).read_text())
+    for T, entry in ((1, "1"), (3, "2"), (100, "96"), (120, "128")):  # nearest key; ties do not occur here
+        assert layer.config(T) == table[entry]
+    for T in (1, 20):  # the interpreter's time grows with the blocks: 20 tokens take the 24 entry
+        w, ids = make_routing(T, E, k, device=DEVICE)
+        x = torch.randn(T, H, device=DEVICE).to(torch.bfloat16)
+        out = layer.forward(x, w, ids)
+        ref = vb.reference_rows(p, spec, x, w, ids)
+        assert vb.rel(out, ref) <= 5e-3
+        assert ((out.float() - ref).abs() <= 1e-2 * ref.abs().amax(1, keepdim=True)).all()
+
+
 def test_vllm_layer_refuses_what_it_does_not_run(vllm_src):
     vllm = vb.load(vllm_src)
     spec, p = make_layer(192, 96, 4, 2, "fp8", device=DEVICE)
