@@ -298,11 +298,12 @@ class VllmMoE:
 
     @property
     def fp8(self) -> bool:
+        """Block-fp8 weights (w8a8), else bf16."""
         return self.w1_scale is not None
 
     def with_tuned(self, device: str) -> "VllmMoE | None":
         """The same layer with vLLM's shipped tuned table (None when none fits: see tuned_table)."""
-        E, N, _ = self.w2.shape[0], self.w2.shape[2], None
+        E, N = self.w2.shape[0], self.w2.shape[2]
         found = tuned_table(self.vllm.configs_dir, E, N, "fp8_w8a8" if self.fp8 else None,
                             [FP8_GROUP, FP8_GROUP] if self.fp8 else None, device)
         return None if found is None else replace(self, table=found[0], config_name=found[1])
