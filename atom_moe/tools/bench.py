@@ -45,6 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="EP size W > 1: W simulated ranks of the symm transport on this GPU, timed stage by "
                              "stage (dispatch, routing, GEMM1, GEMM2, combine) next to the local path; see "
                              "atom_moe/tools/bench_ep.py")
+    parser.add_argument("--vllm-src", type=vllm_src_dir, default=None,
+                        help="folder made by scripts/vllm_baseline_src.py: adds vLLM 0.33's Triton fused_moe rows "
+                             "(impl vllm: its default config; vllm-tuned: its shipped H200 table) for bf16 and fp8, "
+                             "on the same inputs, each checked against the reference first; see "
+                             "atom_moe/tools/vllm_baseline.py")
+    parser.add_argument("--vllm-check-rows", type=positive_int, default=4,
+                        help="rows of each vllm check against the fp32 reference (it dequantizes the experts they hit)")
     parser.add_argument("--csv", type=Path, default=Path("bench.csv"), help="rows written here")
     parser.add_argument("--plot", type=Path, default=None, help="roofline PNG (default: CSV path with .png)")
 
@@ -64,6 +71,47 @@ def grouped_mm_pipeline(x, w, ids, w13, w2):
     y = torch._grouped_mm(a, w2.transpose(1, 2), offs=offs)
     y = y.float() * w.flatten()[order, None]
     return torch.zeros(T, x.shape[1], device=x.device).index_add_(0, tok, y).to(x.dtype)
+
+
+# ---------------------------------------------------------------- vLLM's kernel beside ours
+def vllm_src_dir(text: str) -> Path:
+    """argparse type: a folder made by scripts/vllm_baseline_src.py."""
+    from .vllm_baseline import FUSED_MOE
+    if not (Path(text) / FUSED_MOE / "fused_moe.py").is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} has no {FUSED_MOE}/fused_moe.py; allowed: a folder made by "
+                                         f"`python3 scripts/vllm_baseline_src.py` (default .cache/vllm-0.33.0)")
+    return Path(text)
+
+
+def vllm_layers(vllm, weights, spec, device: str) -> list:
+    """vLLM's layer for this shape with its default config, and with its tuned table where one fits."""
+    from . import vllm_baseline
+    try:
+        layer = vllm_baseline.from_prepared(vllm, weights, spec)
+    except ValueError as exc:
+        print(f"  no vllm rows: {exc}", flush=True)
+        return []
+    tuned = layer.with_tuned(device)
+    if tuned is None:
+        print(f"  no vllm-tuned rows: vLLM ships no table for {device} with this dtype", flush=True)
+    return [layer] if tuned is None else [layer, tuned]
+
+
+def vllm_row(layer, weights, spec, x, w, ids, ours, args, timer, row) -> bool:
+    """Check vLLM's layer on these inputs (reference and ours), then time it; False when the check fails."""
+    from . import vllm_baseline
+    impl = "vllm" if layer.table is None else "vllm-tuned"
+    try:
+        text = vllm_baseline.check(layer, weights, spec, x, w, ids, ours, args.vllm_check_rows)
+        us = timer.graph_us(lambda: layer.forward(x, w, ids))
+    except Exception as exc:  # a wrong result, or a config that does not compile here: no row, reported
+        print(f"  {impl}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        return False
+    cfg = layer.config(x.shape[0])
+    config = (f"bm{cfg['BLOCK_SIZE_M']} bn{cfg['BLOCK_SIZE_N']} bk{cfg['BLOCK_SIZE_K']} g{cfg['GROUP_SIZE_M']} "
+              f"w{cfg.get('num_warps', 4)} s{cfg.get('num_stages', 3)}")
+    row(impl, us, config=config, note=f"vLLM 0.33 fused_moe_kernel, {layer.config_name}; check {text}")
+    return True
 
 
 # ---------------------------------------------------------------- driver
@@ -99,6 +147,13 @@ def run(args: argparse.Namespace) -> list[dict]:
         return bench_ep.run(args)
     if not torch.cuda.is_available():
         raise RunFailure("needs a CUDA GPU: torch sees none here")
+    vllm = None
+    if getattr(args, "vllm_src", None) is not None:
+        from . import vllm_baseline
+        try:
+            vllm = vllm_baseline.load(args.vllm_src)
+        except vllm_baseline.VllmSourceError as exc:
+            raise RunFailure(str(exc)) from None
     timer = Timer(args.iters)
     ceil = measure_ceilings(timer)
     dev = device_name(torch.device("cuda"))
@@ -107,7 +162,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     grouped = hasattr(torch, "_grouped_mm")
     if not grouped and not args.no_baseline:
         print("baseline: torch._grouped_mm is unavailable in this torch; no baseline rows", flush=True)
-    rows, tuned = [], []
+    rows, tuned, vllm_failed = [], [], []
     t_start = time.monotonic()
     gen = torch.Generator(device="cuda")
     gen.manual_seed(0)
@@ -120,6 +175,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             # compute floor at the issue's MMA rate: fp8 for fp8 and a8w4 (a8w4's target, though its
             # kernels dot in bf16 today), bf16 otherwise
             rate = ceil["fp8_tflops" if scheme in ("fp8", "a8w4") else "bf16_tflops"]
+            layers = vllm_layers(vllm, weights, spec, dev) if vllm is not None else []
             for T in args.tokens:
                 w, ids = make_routing(T, E, k, args.routing, gen)
                 x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
@@ -161,13 +217,19 @@ def run(args: argparse.Namespace) -> list[dict]:
                         row("grouped_mm", us, note="torch._grouped_mm bf16")
                     except Exception as exc:
                         print(f"  baseline failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-            del weights, ws
+                for layer in layers:
+                    if not vllm_row(layer, weights, spec, x, w, ids, out, args, timer, row):
+                        vllm_failed.append(f"{name} {scheme} T={T} {layer.config_name}")
+            del weights, ws, layers
             torch.cuda.empty_cache()
     write_csv(args.csv, rows, CSV_COLUMNS)
     if args.tuned_csv is not None:
         from ..kernels.tuning import COLUMNS
         write_csv(args.tuned_csv, tuned, COLUMNS)
     plot(rows, ceil, args.plot or args.csv.with_suffix(".png"))
+    if vllm_failed:
+        raise RunFailure(f"vllm baseline failed (no row written; the reason is printed above it) at "
+                         f"{len(vllm_failed)} points: {'; '.join(vllm_failed)}")
     return rows
 
 
