@@ -29,9 +29,9 @@ import triton.language as tl
 from atom_moe.layouts.gate_up import GateUpKind, GateUpLayout, GateUpTensor, LayoutError, require
 from atom_moe.spec import A8W4_INTER_GROUP
 
-from .common import FP8_MAX, QGROUP, cast, interpreting, tile_ids
-from .mainloop import k_loop
-from .mxfp4 import launch_args, row_factor, rowexp_arg, tile_offsets
+from .common import FP8_MAX, QGROUP, cast, interpreting
+from .mainloop import k_loop, tile_expert, tile_finish, tile_rows, tile_start
+from .mxfp4 import launch_args, rowexp_arg
 
 GROUP = 128  # host-side twin of common.QGROUP
 
@@ -43,44 +43,26 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, 
                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, IGROUP: tl.constexpr, INTERP: tl.constexpr):
     n_out = 2 * inter
-    pid_m, pid_n = tile_ids(n_blocks, tl.cdiv(n_out, BLOCK_N), GROUP_M)
-    expert = tl.load(block_expert_ptr + pid_m)
+    pid_m, pid_n, expert = tile_expert(block_expert_ptr, n_blocks, tl.cdiv(n_out, BLOCK_N), GROUP_M)
     if expert < 0:
         return
     e64 = expert.to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    row_ok = pair < num_pairs
+    rows, pair, row_ok = tile_rows(sorted_ptr, pid_m, num_pairs, BLOCK_M)
     tok = (pair // top_k).to(tl.int64)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < n_out
-    kk = tl.arange(0, BLOCK_K)
-    if W4:  # x^T tiles [BLOCK_K, BLOCK_M]
-        a_ptrs = x_ptr + tok[None, :] * stride_x + kk[:, None]
-    else:
-        a_ptrs = x_ptr + tok[:, None] * stride_x + kk[None, :]
-    n64 = n.to(tl.int64)
-    # the pointers and offsets this scheme does not use are passed to the K loop unread
-    w_ptrs, ws_ptrs, as_ptrs, w_off, s_off, nb_ok, kb = w_ptr, ws_ptr, xs_ptr, 0, 0, False, 0
-    if W4:  # MX tiles, or MX quads for a8w4 (kernels/mxfp4.py), advanced per K step
-        w_off, s_off, nb_ok, kb = tile_offsets(e64, pid_n, row_blocks, k_blocks, BLOCK_N, BLOCK_K, FP8)
-    else:
-        w_ptrs = w_ptr + e64 * n_out * hidden + n64[None, :] * hidden + kk[:, None]
-    if FP8:
+    a_ptrs, as_ptrs, w_ptrs, w_off, s_off, nb_ok, kb = tile_start(
+        x_ptr, tok, stride_x, xs_ptr, w_ptr, e64, pid_n, n, n_out, hidden, row_blocks, k_blocks,
+        QGROUP, FP8, W4, BLOCK_N, BLOCK_K)
+    ws_ptrs = ws_ptr  # read only by the fp8 scheme
+    if FP8 and not W4:
+        # output pair j = n // 2 uses scale [e, j // 128, n % 2, kb]
         k_groups = tl.cdiv(hidden, QGROUP)
-        as_ptrs = xs_ptr + tok * k_groups
-        if not W4:
-            # output pair j = n // 2 uses scale [e, j // 128, n % 2, kb]
-            ws_ptrs = ws_ptr + e64 * (tl.cdiv(inter, QGROUP) * 2 * k_groups) \
-                + (n // 2 // QGROUP) * (2 * k_groups) + (n % 2) * k_groups
+        ws_ptrs = ws_ptr + e64 * (tl.cdiv(inter, QGROUP) * 2 * k_groups) \
+            + (n // 2 // QGROUP) * (2 * k_groups) + (n % 2) * k_groups
     acc = k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_ptrs, n_ok, w_off, s_off, nb_ok, kb, k_blocks,
                  hidden, QGROUP, FP8, W4, BIG, BLOCK_M, BLOCK_N, BLOCK_K, INTERP)
-    if W4:
-        if FP8:  # MX quads: each row's 2^(base - 133)
-            acc = acc * row_factor(rowexp_ptr, e64, n, n_ok, n_out)[:, None]
-        acc = tl.trans(acc)  # the epilogue works on [BLOCK_M, BLOCK_N]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + e64 * n_out + n, mask=n_ok, other=0.0)[None, :]
+    acc = tile_finish(acc, rowexp_ptr, bias_ptr, e64, n, n_ok, n_out, FP8, W4, HAS_BIAS)
     gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
     if OAI:
         # NaN must survive the clamp: min/clamp default to dropping it on GPUs (PTX min.f32)

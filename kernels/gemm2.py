@@ -36,9 +36,9 @@ import triton.language as tl
 
 from atom_moe.spec import A8W4_INTER_GROUP
 
-from .common import QGROUP, cast, interpreting, tile_ids
-from .mainloop import k_loop
-from .mxfp4 import launch_args, row_factor, rowexp_arg, tile_offsets
+from .common import QGROUP, cast, interpreting
+from .mainloop import k_loop, tile_expert, tile_finish, tile_rows, tile_start
+from .mxfp4 import launch_args, rowexp_arg
 
 GROUP = 128  # host-side twin of common.QGROUP
 # Pair count from which fused_experts combines in a separate launch: on an H200 the separate
@@ -73,35 +73,22 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, IGROUP: tl.constexpr, INTERP: tl.constexpr, REMOTE: tl.constexpr,
                   SEPARATE: tl.constexpr):
-    pid_m, pid_n = tile_ids(n_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
-    expert = tl.load(block_expert_ptr + pid_m)
+    pid_m, pid_n, expert = tile_expert(block_expert_ptr, n_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if expert < 0:
         return
     e64 = expert.to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows64 = rows.to(tl.int64)
-    pair = tl.load(sorted_ptr + rows)
-    row_ok = pair < num_pairs
+    rows, pair, row_ok = tile_rows(sorted_ptr, pid_m, num_pairs, BLOCK_M)
     pair64 = pair.to(tl.int64)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < hidden
-    kk = tl.arange(0, BLOCK_K)
-    if W4:  # act^T tiles [BLOCK_K, BLOCK_M]
-        a_ptrs = a_ptr + rows64[None, :] * inter + kk[:, None]
-    else:
-        a_ptrs = a_ptr + rows64[:, None] * inter + kk[None, :]
-    n64 = n.to(tl.int64)
-    # the pointers and offsets this scheme does not use are passed to the K loop unread
-    w_ptrs, ws_ptrs, as_ptrs, w_off, s_off, nb_ok, kb = w_ptr, ws_ptr, as_ptr, 0, 0, False, 0
-    if W4:  # MX tiles, or MX quads for a8w4 (kernels/mxfp4.py), advanced per K step
-        w_off, s_off, nb_ok, kb = tile_offsets(e64, pid_n, row_blocks, k_blocks, BLOCK_N, BLOCK_K, FP8)
-    else:
-        w_ptrs = w_ptr + e64 * hidden * inter + n64[None, :] * inter + kk[:, None]
-    if FP8:
-        k_groups = tl.cdiv(inter, IGROUP)  # activation groups (a8w4: 64, a K step each)
-        as_ptrs = as_ptr + rows64 * k_groups
-        if not W4:
-            ws_ptrs = ws_ptr + e64 * (tl.cdiv(hidden, QGROUP) * k_groups) + (n // QGROUP) * k_groups
+    # a8w4's activation groups are 64 columns, a K step each (IGROUP)
+    a_ptrs, as_ptrs, w_ptrs, w_off, s_off, nb_ok, kb = tile_start(
+        a_ptr, rows.to(tl.int64), inter, as_ptr, w_ptr, e64, pid_n, n, hidden, inter, row_blocks, k_blocks,
+        IGROUP, FP8, W4, BLOCK_N, BLOCK_K)
+    ws_ptrs = ws_ptr  # read only by the fp8 scheme
+    if FP8 and not W4:
+        k_groups = tl.cdiv(inter, IGROUP)
+        ws_ptrs = ws_ptr + e64 * (tl.cdiv(hidden, QGROUP) * k_groups) + (n // QGROUP) * k_groups
     tok = pair64 // TOPK
     j = tl.arange(0, KP2)
     if not SEPARATE:
@@ -114,12 +101,7 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr
         needed = tl.sum(slot_ok.to(tl.int32), 1)
     acc = k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_ptrs, n_ok, w_off, s_off, nb_ok, kb, k_blocks,
                  inter, IGROUP, FP8, W4, BIG, BLOCK_M, BLOCK_N, BLOCK_K, INTERP)
-    if W4:
-        if FP8:  # MX quads: each row's 2^(base - 133)
-            acc = acc * row_factor(rowexp_ptr, e64, n, n_ok, hidden)[:, None]
-        acc = tl.trans(acc)  # the epilogue works on [BLOCK_M, BLOCK_N]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + e64 * hidden + n, mask=n_ok, other=0.0)[None, :]
+    acc = tile_finish(acc, rowexp_ptr, bias_ptr, e64, n, n_ok, hidden, FP8, W4, HAS_BIAS)
     weight = tl.load(topk_w_ptr + pair64, mask=row_ok, other=0.0).to(tl.float32)
     acc = acc * weight[:, None]
     if SEPARATE:  # `combine` sums the rows in a later launch

@@ -1,8 +1,9 @@
 """The K loop GEMM1 and GEMM2 share: one tile of a grouped GEMM over an expert's weight rows.
 
 Both GEMMs read activation rows through the sorted pair list and stream one expert's
-weights; they differ only in their prologues (which rows, which pointers) and epilogues
-(SwiGLU + quant, or routing weight + combine). The loop itself, for every scheme:
+weights; they differ only in which rows they read and in their epilogues (SwiGLU + quant, or
+routing weight + combine). The shared prologue is `tile_expert`, `tile_rows` and `tile_start`,
+both epilogues start from `tile_finish`; the loop itself, for every scheme:
 
 - bf16: acc[M, N] += a @ w (a upcast to bf16 when it arrives wider);
 - fp8: the same in e4m3 with per-(token, 128-group) and per-128x128-block scales folded into
@@ -12,7 +13,7 @@ weights; they differ only in their prologues (which rows, which pointers) and ep
   since a plain load would stall every step.
 
 A @triton.jit helper is inlined into its caller, so each GEMM compiles to the code it had
-with the loop written out (docs/kernels.md: the SASS was compared).
+with the loop and prologue written out (docs/perf/kloop-shared-sass.md: the SASS was compared).
 """
 
 from __future__ import annotations
@@ -20,8 +21,50 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import QGROUP, cast, dot
-from .mxfp4 import scale_step, swap_step
+from .common import QGROUP, cast, dot, tile_ids
+from .mxfp4 import row_factor, scale_step, swap_step, tile_offsets
+
+
+@triton.jit
+def tile_expert(block_expert_ptr, n_blocks, n_col_tiles, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n, expert) of this program: its row block, column tile and the block's expert (-1: idle)."""
+    pid_m, pid_n = tile_ids(n_blocks, n_col_tiles, GROUP_M)
+    return pid_m, pid_n, tl.load(block_expert_ptr + pid_m)
+
+
+@triton.jit
+def tile_rows(sorted_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
+    """(rows, pair, row_ok) of row block pid_m: its rows of the sorted pair list, their (token, slot)
+    pairs and which rows hold one (padding rows hold num_pairs)."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    return rows, pair, pair < num_pairs
+
+
+@triton.jit
+def tile_start(a_ptr, a_rows, stride_a, as_ptr, w_ptr, e64, pid_n, n, n_total, K, row_blocks, k_blocks,
+               AGROUP: tl.constexpr, FP8: tl.constexpr, W4: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """(a_ptrs, as_ptrs, w_ptrs, w_off, s_off, nb_ok, kb): where `k_loop` starts for this tile.
+
+    a_rows: each tile row's activation row (int64), stride_a apart; as_ptrs: each row's first
+    activation scale (FP8, AGROUP columns per scale). bf16/fp8 weights: w_ptrs at rows n of
+    expert e64's [n_total, K] matrix. MXFP4: the MX tile offsets (mxfp4.tile_offsets). What a
+    scheme does not use is returned unread (the bare pointers, zeros).
+    """
+    kk = tl.arange(0, BLOCK_K)
+    if W4:  # activation^T tiles [BLOCK_K, BLOCK_M]
+        a_ptrs = a_ptr + a_rows[None, :] * stride_a + kk[:, None]
+    else:
+        a_ptrs = a_ptr + a_rows[:, None] * stride_a + kk[None, :]
+    as_ptrs, w_ptrs, w_off, s_off, nb_ok, kb = as_ptr, w_ptr, 0, 0, False, 0
+    if W4:  # MX tiles, or MX quads for a8w4 (kernels/mxfp4.py), advanced per K step
+        w_off, s_off, nb_ok, kb = tile_offsets(e64, pid_n, row_blocks, k_blocks, BLOCK_N, BLOCK_K, FP8)
+    else:
+        w_ptrs = w_ptr + e64 * n_total * K + n.to(tl.int64)[None, :] * K + kk[:, None]
+    if FP8:
+        as_ptrs = as_ptr + a_rows * tl.cdiv(K, AGROUP)
+    return a_ptrs, as_ptrs, w_ptrs, w_off, s_off, nb_ok, kb
 
 
 @triton.jit
@@ -77,4 +120,18 @@ def k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_ptrs, n_ok, w_off,
                 acc = dot(a, w, acc, INTERP)
             w_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
+def tile_finish(acc, rowexp_ptr, bias_ptr, e64, n, n_ok, n_total, FP8: tl.constexpr, W4: tl.constexpr,
+                HAS_BIAS: tl.constexpr):
+    """k_loop's accumulator as [BLOCK_M, BLOCK_N] fp32 with the weights' row factors (MX quads) and
+    bias (rows n of expert e64's n_total) applied: what both epilogues start from."""
+    if W4:
+        if FP8:  # MX quads: each row's 2^(base - 133)
+            acc = acc * row_factor(rowexp_ptr, e64, n, n_ok, n_total)[:, None]
+        acc = tl.trans(acc)  # the epilogue works on [BLOCK_M, BLOCK_N]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + e64 * n_total + n, mask=n_ok, other=0.0)[None, :]
     return acc
