@@ -43,9 +43,11 @@ from atom_moe.tools.synthetic import random_layer
 from atom_moe.weights import prepare_stacked
 
 COLUMNS = ("device", "placement", "ep", "experts", "slots", "H", "I", "top_k", "T", "scheme", "alpha",
-           "expected_max_share", "rank_pairs", "slowest_pairs", "slowest_us", "mean_us", "rank_us", "speedup_vs_linear", "forward_us",
-           "rel_err")
-BOUND = {"bf16": 1e-2, "fp8": 4e-2}  # bf16: kernel rounding only; fp8: the scheme's own quantization too
+           "expected_max_share", "rank_pairs", "slowest_pairs", "slowest_us", "mean_us", "rank_us",
+           "speedup_vs_linear", "forward_us", "rel_err")
+# relative Frobenius error against the fp32 reference (fp8: with the kernels' activation quant); fp8 also
+# re-quantizes GEMM1's output, which the reference does not
+BOUND = {"bf16": 1e-2, "fp8": 2e-2}
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -123,7 +125,8 @@ def run_placement(a, full: MoESpec, raw, ref_w, placed: ExpertPlacement | None, 
     group.forward(weights, xs, ws, ids, outs, [FUSED] * W)
     errs = []
     for x, w, i, o in zip(xs, ws, ids, outs):
-        ref = reference_moe(x, w, i, ref_w, full.activation)
+        ref = reference_moe(x, w, i, ref_w, full.activation,
+                            act_quant=full.scheme if full.scheme.fp8_activations else None)
         errs.append(float((o.float() - ref).norm() / ref.norm()))
     err = float(torch.tensor(errs).max())  # torch's max keeps a NaN (an unwritten row), Python's would drop it
     # the experts step of each rank alone: dispatch every rank's tokens (slot ids, as the forward does) once

@@ -200,4 +200,5 @@ def test_eplb_bench_runs_tiny_on_the_cpu(tmp_path, seed):
 
 def test_eplb_bench_rejects_bad_sizes(tmp_path):
     run, _ = _eplb_bench(tmp_path, "--ep", "8", "--experts", "128", "--redundant", "3")
-    assert run.returncode == 2 and "--redundant [3]: allowed: R >= 1 with experts + R a multiple of --ep 8" in run.stderr
+    assert run.returncode == 2
+    assert "--redundant [3]: allowed: R >= 1 with experts + R a multiple of --ep 8" in run.stderr
