@@ -107,7 +107,7 @@ class AtomRoutedExperts(RoutedExperts):
             return inner
         return AtomMoEMethod(inner, plan)
 
-    def get_expert_weights(self):
+    def get_expert_weights(self) -> list[torch.Tensor]:
         """What vLLM's EPLB rearrangement moves: our prepared per-slot tensors once they exist."""
         method = getattr(self, "quant_method", None)
         if isinstance(method, AtomMoEMethod) and method.weights is not None:
