@@ -326,6 +326,19 @@ def test_two_ranks(mode, scheme):
     _run_ranks(mode, scheme, world=2)
 
 
+@pytest.mark.parametrize("mode", ["eplb", "eplb_dp"])
+def test_eplb_two_ranks(mode):
+    """SGLang's EPLB on (redundant experts, random placement): our path runs on the physical slots SGLang's
+    top-k maps to, matches the reference, and stays correct after SGLang rearranges the experts mid-run."""
+    _run_ranks(mode, "bf16", world=2)
+
+
+def test_eplb_planted_bug_fails():
+    """Our tensors hidden from SGLang's rearrangement (the planted bug): the forward after it must fail."""
+    with pytest.raises(AssertionError, match="elements off"):
+        _run_ranks("eplb_plant", "bf16", world=2)
+
+
 def _run_ranks(mode: str, scheme: str, world: int) -> None:
     port = c.free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ATOM_USE_FLYDSL", "ATOM_FLYDSL"))}

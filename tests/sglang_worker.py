@@ -10,6 +10,11 @@ MODE dp_ep: --tp 2 --ep-size 2 --enable-dp-attention --dp 2 --moe-a2a-backend me
 ATOM_USE_FLYDSL_FUSED=1. Tokens differ per rank; MegaMoE dispatches and combines, each
 rank's output equals the full reference for its tokens, and SGLang's post-experts
 reduction leaves it alone (no double counting).
+MODE eplb / eplb_dp: as tp_ep / dp_ep with SGLang's EPLB on (--enable-eplb, 2 redundant experts, a random
+initial placement): SGLang's top-k maps ids to physical replicas with its tables, our layer runs on the
+physical slots, then SGLang's own ExpertLocationUpdater rearranges the experts (weights over gloo P2P,
+tables in place) mid-run and the next forward must still equal the reference. MODE eplb_plant: eplb
+with the planted bug that our tensors are not exposed to SGLang's rearrangement: the check after it fails.
 Prints "RANK r OK" on success, after tearing SGLang's groups down; any failure raises (non-zero exit).
 """
 
@@ -19,7 +24,8 @@ import os
 import sys
 
 mode, scheme, rank, world, port, seed = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
-os.environ["ATOM_USE_FLYDSL_FUSED" if mode == "dp_ep" else "ATOM_USE_FLYDSL"] = "1"
+os.environ["ATOM_USE_FLYDSL_FUSED" if mode in ("dp_ep", "eplb_dp") else "ATOM_USE_FLYDSL"] = "1"
+os.environ["SGLANG_EXPERT_LOCATION_UPDATER_CANARY"] = "1"  # SGLang checks its own transfer of each slot's map
 # SCHEME a8w4: the MXFP4 (gpt-oss style) checkpoint with ATOM_MOE_MXFP4_ACT=fp8
 ckpt = "mxfp4" if scheme == "a8w4" else scheme
 os.environ["ATOM_MOE_MXFP4_ACT"] = "fp8" if scheme == "a8w4" else "bf16"
@@ -32,15 +38,15 @@ from sglang.srt.plugins import load_plugins  # noqa: E402
 import sglang_common as c  # noqa: E402
 
 
-def start(dp: bool) -> None:
+def start(dp: bool, **extra) -> None:
     """SGLang's runtime for this rank; megamoe's server-arg check wants a GPU, so on the CPU we set the flag."""
     if not dp:
-        return c.start_runtime(rank, world, port, chunked=256)
+        return c.start_runtime(rank, world, port, chunked=256, **extra)
     try:
-        c.start_runtime(rank, world, port, dp=True, a2a="megamoe", chunked=256)
+        c.start_runtime(rank, world, port, dp=True, a2a="megamoe", chunked=256, **extra)
     except ValueError as exc:  # "--moe-a2a-backend megamoe needs a CUDA SM90 GPU ..." (CPU machine)
         assert "megamoe" in str(exc), exc
-        c.start_runtime(rank, world, port, dp=True, a2a="none", chunked=256)
+        c.start_runtime(rank, world, port, dp=True, a2a="none", chunked=256, **extra)
         from sglang.srt.layers.moe.utils import MoeA2ABackend
         from sglang.srt.runtime_context import get_flags
 
@@ -62,10 +68,102 @@ def check_limit() -> None:
                       experts_backend="triton")
 
 
+REDUNDANT = 2
+
+
+def random_map(gen: torch.Generator) -> list[int]:
+    """Every logical expert once plus REDUNDANT replicas of two hot ones, shuffled (the same on every rank)."""
+    hot = torch.randperm(c.E, generator=gen)[:2]
+    phys = list(range(c.E)) + hot[torch.randint(0, 2, (REDUNDANT,), generator=gen)].tolist()
+    return [phys[i] for i in torch.randperm(len(phys), generator=gen).tolist()]
+
+
+def eplb() -> None:
+    """SGLang's EPLB around our layer: its placement, its top-k mapping, its rearrangement mid-run."""
+    from sglang.srt.eplb import expert_location as el
+    from sglang.srt.eplb.expert_location_dispatch import ExpertLocationDispatchInfo, topk_ids_logical_to_physical
+    from sglang.srt.eplb.expert_location_updater import ExpertLocationUpdater
+    from sglang.srt.layers.moe.utils import filter_moe_weight_param_global_expert
+
+    from atom_moe.ep.rebalance import slot_tensors
+    from atom_moe.plugins.sglang import hooks
+    from atom_moe.weights import prepare_stacked
+
+    dp = mode == "eplb_dp"
+    # what a server resolves for these flags (arg_groups' handle_eplb_and_dispatch; publish() here does not
+    # resolve): static picks with an a2a backend (megamoe), dynamic (rank-invariant) without
+    start(dp, enable_eplb=True, ep_num_redundant_experts=REDUNDANT, ep_dispatch_algorithm="static" if dp else "dynamic")
+    P = c.E + REDUNDANT
+    per = P // world
+
+    def meta(p2l: list[int]):  # SGLang's own tables of a placement (what init_by_mapping builds from a model)
+        m = torch.tensor([p2l])
+        every = el._compute_logical_to_all_physical_map(m, num_logical_experts=c.E, ep_size=world, moe_ep_rank=rank)
+        return el.ExpertLocationMetadata._init_raw(ep_size=world, physical_to_logical_map=m,
+                                                   logical_to_all_physical_map=every, moe_ep_rank=rank)
+
+    gen = torch.Generator().manual_seed(seed)  # same placements and weights on every rank
+    first = random_map(gen)
+    el.set_global_expert_location_metadata(meta(first), allow_overwrite=True)
+    if mode == "eplb_plant":  # the planted bug: SGLang's rearrangement does not see our tensors
+        hooks.expose_for_eplb = lambda layer, weights: []
+    tensors, ref = c.checkpoint(scheme, gen)
+    layer = c.build(scheme, num_experts=P, layer_id=0, reduce_results=not dp)
+    assert c.load(layer, scheme, tensors) > 0  # SGLang's loader: each logical expert into all its slots
+    c.process(layer)
+    state = layer.atom_moe  # our path took the layer (no attribute: SGLang's own path)
+    spec = state.plan.spec
+    assert spec.num_experts == P and spec.local_experts == tuple(range(rank * per, (rank + 1) * per)), spec
+    assert state.plan.fused == dp
+    info = ExpertLocationDispatchInfo.init_new(layer_id=0)
+    assert info is not None and info.ep_dispatch_algorithm == ("static" if dp else "dynamic"), info
+
+    def check(step: int, p2l: list[int]) -> None:
+        tok = torch.Generator().manual_seed(seed * 31 + step * 7 + (rank if dp else 0))
+        T = 23 + (5 * rank if dp else 0)
+        x = torch.randn(T, c.H, generator=tok).bfloat16()
+        logits = torch.randn(T, c.E, generator=tok)
+        w, ids = c.route(logits)
+        phys = topk_ids_logical_to_physical(ids, info)  # SGLang's top-k mapping, from its live tables
+        assert torch.equal(torch.tensor(p2l)[phys.long()], ids.long()), "a replica of another expert"
+        out = layer.forward(x, c.topk_output(w, phys, logits))
+        c.assert_matches(out, c.expected(scheme, x, w, ids, ref))
+        # every local slot holds its logical expert's rows under the current map, bit for bit
+        want = prepare_stacked(spec, *_stacked(tensors, p2l), layout="separated")  # gate rows, then up
+        same = [torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                for a, b in zip(slot_tensors(state.weights), slot_tensors(want))]
+        assert all(same), f"step {step}: slot tensors differ from the placement {p2l}: {same}"
+
+    check(0, first)
+    second = random_map(gen)
+    while second == first:
+        second = random_map(gen)
+    listed = [p.data for n, p in layer.named_parameters()  # what the models' get_moe_weights() hand SGLang
+              if filter_moe_weight_param_global_expert(n, p, layer.num_local_experts)]
+    ptrs = [t.data_ptr() for t in slot_tensors(state.weights)]
+    updater = ExpertLocationUpdater()
+    updater._first_execution = False  # its first call empties the device cache: torch.cpu has no empty_cache
+    updater.update({0: listed}, meta(second), update_layer_ids=[0], nnodes=1, rank=rank)
+    assert el.get_global_expert_location_metadata().physical_to_logical_map_cpu[0].tolist() == second
+    assert [t.data_ptr() for t in slot_tensors(state.weights)] == ptrs  # moved in place
+    check(1, second)
+
+
+def _stacked(tensors: dict, p2l: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bf16 checkpoint's w13 [P, 2I, H] (gate rows, then up) and w2 [P, H, I] laid out by slot."""
+    assert scheme == "bf16", "the slot-content check reads bf16 checkpoint tensors"
+    w13 = torch.stack([torch.cat([tensors[f"experts.{e}.gate_proj.weight"], tensors[f"experts.{e}.up_proj.weight"]])
+                       for e in p2l])
+    w2 = torch.stack([tensors[f"experts.{e}.down_proj.weight"] for e in p2l])
+    return w13, w2
+
+
 def main() -> None:
     load_plugins()
     if mode == "limit":
         return check_limit()
+    if mode.startswith("eplb"):
+        return eplb()
     dp = mode == "dp_ep"
     start(dp)
     from sglang.srt.layers.moe.utils import (get_moe_a2a_backend, is_moe_input_scattered_across_dp_ranks,

@@ -167,3 +167,38 @@ def test_compile_all_reports_a_failing_build():
     run = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_all.py"), "--kernels", "_nope"],
                          capture_output=True, text=True, env=env, timeout=1800)
     assert run.returncode == 2 and "_nope not launched" in run.stderr
+
+
+# ---------------------------------------------------------------- eplb_bench
+def _eplb_bench(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path / "eplb.csv"
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "eplb_bench.py"), "--csv", str(out), *args],
+                         capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=900)
+    return run, out
+
+
+def test_eplb_bench_runs_tiny_on_the_cpu(tmp_path, seed):
+    # the skewed-routing measurement at a tiny size under the interpreter: every placement's outputs were
+    # checked against the reference by the script, every (token, slot) pair reached exactly one rank,
+    # and the slowest rank is the one with the largest time
+    run, out = _eplb_bench(tmp_path, "--tiny", "--seed", str(seed))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    with open(out) as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["placement"] for r in rows] == ["linear", "rearranged", "redundant+2"]
+    assert [int(r["slots"]) for r in rows] == [6, 6, 8]
+    W, T, k = 2, 6, 2
+    for r in rows:
+        pairs = [int(p) for p in r["rank_pairs"].split(";")]
+        us = [float(u) for u in r["rank_us"].split(";")]
+        assert len(pairs) == len(us) == W and sum(pairs) == W * T * k, r
+        slowest = max(range(W), key=lambda i: us[i])
+        assert abs(float(r["slowest_us"]) - us[slowest]) <= 0.1 and int(r["slowest_pairs"]) == pairs[slowest], r
+        assert float(r["rel_err"]) <= 1e-2 and 1 / W <= float(r["expected_max_share"]) <= 1, r
+        assert abs(float(r["speedup_vs_linear"]) - float(rows[0]["slowest_us"]) / float(r["slowest_us"])) < 2e-3
+
+
+def test_eplb_bench_rejects_bad_sizes(tmp_path):
+    run, _ = _eplb_bench(tmp_path, "--ep", "8", "--experts", "128", "--redundant", "3")
+    assert run.returncode == 2
+    assert "--redundant [3]: allowed: R >= 1 with experts + R a multiple of --ep 8" in run.stderr

@@ -484,6 +484,19 @@ def test_dp_ep_fused_two_ranks(scheme, seed):
     _launch("dp_ep", scheme, seed)
 
 
+@pytest.mark.parametrize("mode", ["eplb", "eplb_dp"])
+def test_eplb_two_ranks(mode, seed):
+    """vLLM's EPLB on (2 redundant experts), TP+EP or DP+EP fused: our path runs on the physical slots vLLM's
+    router maps to, vLLM's load counters fill, and vLLM's own rearrangement mid-run moves our tensors."""
+    _launch(mode, "bf16", seed)
+
+
+def test_eplb_planted_bug_fails(seed):
+    """vLLM's rearrangement handed tensors that are not ours (the planted bug): the forward after it fails."""
+    with pytest.raises(AssertionError, match="elements off"):
+        _launch("eplb_plant", "bf16", seed)
+
+
 def test_start_up_limit_names_largest_safe_value(seed):
     """DP+EP fused with a --max-num-batched-tokens whose buffers pass int32: both ranks fail at
     construction, naming the largest safe value (not at the first big batch)."""

@@ -13,6 +13,13 @@ its own tokens; MegaMoE dispatches and combines, vLLM must not, and each rank's 
 must equal the full reference for its tokens.
 MODE dp_ep_limit: as dp_ep with --max-num-batched-tokens too large for int32 buffers at
 H=7168: building the layer must raise LimitError naming the largest safe value.
+MODE eplb / eplb_dp: as tp_ep / dp_ep with vLLM's EPLB on (2 redundant experts): vLLM's factory, loader
+(initial physical placement), router (logical -> physical replica, load recorded into expert_load_view)
+and rearrange_expert_weights_inplace over the EP group move our tensors mid-run; outputs must match the
+reference before and after. vLLM refuses EPLB off CUDA in ParallelConfig and maps ids only in a CUDA
+Triton kernel: here the flag is set after validation and the kernel's rule runs as torch ops
+(eplb_map_twin). MODE eplb_plant: eplb with the planted bug that get_expert_weights lists vLLM's
+(released) parameters instead of ours: the forward after the rearrangement fails.
 Prints "RANK r OK" on success; any failure raises (non-zero exit).
 """
 
@@ -24,7 +31,7 @@ import sys
 mode, scheme, rank, world, port, seed = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
 for name in ("ATOM_USE_FLYDSL", "ATOM_USE_FLYDSL_FUSED"):
     os.environ.pop(name, None)
-os.environ["ATOM_USE_FLYDSL_FUSED" if mode in ("dp_ep", "dp_ep_limit") else "ATOM_USE_FLYDSL"] = "1"
+os.environ["ATOM_USE_FLYDSL_FUSED" if mode in ("dp_ep", "dp_ep_limit", "eplb_dp") else "ATOM_USE_FLYDSL"] = "1"
 os.environ["VLLM_TARGET_DEVICE"] = "cpu"
 ckpt = "mxfp4" if scheme == "a8w4" else scheme  # the checkpoint; a8w4 is our scheme for it, by flag
 os.environ["ATOM_MOE_MXFP4_ACT"] = "fp8" if scheme == "a8w4" else "bf16"
@@ -43,9 +50,138 @@ import vllm_cases as cases  # noqa: E402
 from atom_moe.plugins.vllm.method import AtomMoEMethod  # noqa: E402
 
 
+REDUNDANT = 2
+
+
+def eplb_map_twin(topk_ids, expert_load_view, logical_to_physical_map, logical_replica_count, record_enabled,
+                  num_unpadded_tokens=None):
+    """vLLM's CUDA kernel _eplb_map_and_record_i32_kernel as torch ops: replica (token * 2654435769 mod 2^32)
+    mod count of each valid logical id; the load of unpadded pairs counted per physical slot."""
+    ids = topk_ids.long()
+    T, k = ids.shape
+    valid = (ids >= 0) & (ids < logical_replica_count.shape[0])
+    safe = torch.where(valid, ids, 0)
+    count = logical_replica_count[safe].clamp(min=1)
+    token = torch.arange(T).unsqueeze(1).expand(T, k)
+    replica = ((token * 2654435769) & 0xFFFFFFFF) % count
+    phys = torch.where(valid, logical_to_physical_map[safe, replica], -1)
+    if bool(record_enabled):
+        keep = phys >= 0
+        if num_unpadded_tokens is not None:
+            keep &= token < int(num_unpadded_tokens)
+        expert_load_view.index_add_(0, phys[keep], torch.ones_like(phys[keep], dtype=expert_load_view.dtype))
+    return phys.to(topk_ids.dtype)
+
+
+def random_map(gen: torch.Generator) -> list[int]:
+    """Every logical expert once plus REDUNDANT replicas of two hot ones, shuffled (the same on every rank)."""
+    hot = torch.randperm(cases.E, generator=gen)[:2]
+    phys = list(range(cases.E)) + hot[torch.randint(0, 2, (REDUNDANT,), generator=gen)].tolist()
+    return [phys[i] for i in torch.randperm(len(phys), generator=gen).tolist()]
+
+
+def tables(p2l: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's [N, X] logical_to_physical_map (-1 padded) and [N] logical_replica_count of a placement."""
+    l2p = torch.full((cases.E, REDUNDANT + 1), -1, dtype=torch.int64)
+    count = torch.zeros(cases.E, dtype=torch.int64)
+    for slot, e in enumerate(p2l):
+        l2p[e, count[e]] = slot
+        count[e] += 1
+    return l2p, count
+
+
+def eplb(cfg) -> None:
+    """vLLM's EPLB around our layer: its placement, router mapping and load counters, its rearrangement."""
+    import inspect
+
+    from vllm.distributed import get_ep_group
+    from vllm.distributed.eplb import rebalance_execute
+    from vllm.model_executor.layers.fused_moe.router import base_router
+
+    from atom_moe.ep.rebalance import slot_tensors
+    from atom_moe.weights import prepare_stacked
+
+    dp = mode == "eplb_dp"
+    base_router.eplb_map_to_physical_and_record = eplb_map_twin  # vLLM's CUDA kernel, as torch ops
+    P = cases.E + REDUNDANT
+    per = P // world
+    runner = cases.build(scheme, cfg, enable_eplb=True, num_redundant_experts=REDUNDANT)
+    experts = runner.routed_experts
+    method = experts.quant_method
+    assert isinstance(method, AtomMoEMethod), type(method)  # our path took the EPLB layer
+    spec = method.plan.spec
+    assert spec.num_experts == P and spec.local_experts == tuple(range(rank * per, (rank + 1) * per)), spec
+    assert method.plan.fused == dp
+    gen = torch.Generator().manual_seed(seed)  # same weights and placements on every rank
+    tensors, ref = cases.hf_tensors(scheme, gen)
+    cases.load(runner, scheme, tensors)  # vLLM's expert mapping fills the initial placement: slot s holds s % N
+    cases.process(runner)
+    if mode == "eplb_plant":  # the planted bug: vLLM's rearrangement is handed tensors that are not ours
+        experts.get_expert_weights = lambda: [torch.zeros(per, 8)]
+    # what vLLM's MixtureOfExperts.set_eplb_state and EplbState.add_model do for one layer
+    listed = [w.view(torch.uint8) if w.element_size() == 1 else w for w in runner.get_expert_weights()]
+    p2l = [s % cases.E for s in range(P)]
+    l2p, count = (t.unsqueeze(0).contiguous() for t in tables(p2l))
+    load = torch.zeros(1, P, dtype=torch.int32)
+    runner.set_eplb_state(0, load, l2p, count)
+    state = runner.router.eplb_state
+    state.should_record_tensor = torch.ones((), dtype=torch.bool)
+    state.num_unpadded_tokens_tensors = [torch.tensor(0, dtype=torch.int32)]
+
+    def check(step: int) -> None:
+        tok = torch.Generator().manual_seed(seed * 31 + 7 * step + (rank if dp else 0))
+        T = 23 + (5 * rank if dp else 0)
+        x = torch.randn(T, cases.H, generator=tok).bfloat16()
+        logits = torch.randn(T, cases.E, generator=tok)
+        state.num_unpadded_tokens_tensors[0].fill_(T)
+        load.zero_()
+        across = torch.tensor([23 + 5 * r for r in range(world)]) if dp else None
+        with set_forward_context(None, cfg, num_tokens=T, num_tokens_across_dp=across):
+            out = runner.forward(x, logits)
+        cases.assert_matches(out, cases.expected(scheme, x, logits, ref))
+        w, ids = cases.route(logits)
+        placed = torch.tensor(p2l)
+        got = torch.bincount(placed[eplb_map_twin(ids, torch.zeros(P, dtype=torch.int32), l2p[0], count[0],
+                                                  torch.zeros((), dtype=torch.bool))].view(-1), minlength=cases.E)
+        assert torch.equal(got, torch.bincount(ids.view(-1), minlength=cases.E))  # replicas of the right experts
+        assert int(load.sum()) == ids.numel(), load  # vLLM's load counters were filled by its router
+        want = prepare_stacked(spec, *stacked(tensors, p2l), layout="separated")
+        same = [torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                for a, b in zip(slot_tensors(method.weights), slot_tensors(want))]
+        assert all(same), f"step {step}: our slot tensors differ from the placement {p2l}: {same}"
+
+    check(0)
+    new = random_map(gen)
+    ptrs = [t.data_ptr() for t in slot_tensors(method.weights)]
+    old = torch.tensor([p2l])
+    buffers = [torch.empty_like(w) for w in listed]
+    kwargs = dict(old_global_expert_indices=old, new_global_expert_indices=torch.tensor([new]),
+                  expert_weights=[listed], expert_buffer=buffers, ep_group=get_ep_group().device_group)
+    if "communicator" in inspect.signature(rebalance_execute.rearrange_expert_weights_inplace).parameters:
+        from vllm.distributed.eplb.eplb_communicator import create_eplb_communicator
+
+        # "torch_nccl" on CPU tensors: isend/irecv over the EP group's gloo CPU group (vLLM's docstring); its
+        # "torch_gloo" stages through CUDA streams, which a CPU torch lacks
+        kwargs["communicator"] = create_eplb_communicator(group_coordinator=get_ep_group(), backend="torch_nccl",
+                                                          expert_weights=[listed], expert_buffer=buffers)
+    rebalance_execute.rearrange_expert_weights_inplace(**kwargs)
+    new_l2p, new_count = tables(new)  # EplbState.rearrange: the maps are rewritten in place
+    l2p[0].copy_(new_l2p), count[0].copy_(new_count)
+    p2l[:] = new
+    assert [t.data_ptr() for t in slot_tensors(method.weights)] == ptrs
+    check(1)
+
+
+def stacked(tensors: dict, p2l: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bf16 checkpoint's w13 [P, 2I, H] (gate rows, then up) and w2 [P, H, I] laid out by slot."""
+    assert scheme == "bf16", "the slot-content check reads bf16 checkpoint tensors"
+    w13 = torch.stack([torch.cat([tensors[f"{e}.gate_proj.weight"], tensors[f"{e}.up_proj.weight"]]) for e in p2l])
+    return w13, torch.stack([tensors[f"{e}.down_proj.weight"] for e in p2l])
+
+
 def main() -> None:
     load_general_plugins()
-    dp = mode.startswith("dp")
+    dp = mode.startswith("dp") or mode == "eplb_dp"
     if dp:
         pc = ParallelConfig(data_parallel_size=world, data_parallel_rank=rank, data_parallel_size_local=world,
                             data_parallel_master_ip="127.0.0.1", data_parallel_master_port=port,
@@ -58,6 +194,9 @@ def main() -> None:
         cfg.parallel_config.data_parallel_master_port = port
     if mode == "dp_ep_limit":
         cfg.scheduler_config.max_num_batched_tokens = 2**17
+    if mode.startswith("eplb"):  # vLLM refuses EPLB off CUDA when validating; the layers read these fields
+        cfg.parallel_config.enable_eplb = True
+        cfg.parallel_config.eplb_config.num_redundant_experts = REDUNDANT
     with set_current_vllm_config(cfg):
         if dp:
             init_distributed_environment(1, 0, "env://", 0, backend="gloo")  # vLLM offsets rank/port for DP
@@ -67,6 +206,10 @@ def main() -> None:
             initialize_model_parallel(world, 1)
         if mode == "dp_ep_limit":
             check_limit(cfg)
+            print(f"RANK {rank} OK", flush=True)
+            return
+        if mode.startswith("eplb"):
+            eplb(cfg)
             print(f"RANK {rank} OK", flush=True)
             return
         runner = cases.build(ckpt, cfg)

@@ -15,7 +15,7 @@ import torch
 
 from ...weights import PreparedWeights
 from ..common import FLAG_FUSED, Flags, Mode, warn_once
-from .weights import LayerPlan, build_weights, plan_layer
+from .weights import LayerPlan, build_weights, eplb_active, expose_for_eplb, plan_layer
 
 # the package's logger, by name: the package imports this module, so importing it back would be a cycle
 log = logging.getLogger("sglang.atom_moe")
@@ -64,6 +64,8 @@ def process_weights_after_loading(orig, method, layer) -> None:
                                                   f"{plan} (first: {getattr(layer, 'layer_name', '') or '?'})")
         return orig(method, layer)
     weights = build_weights(layer, plan)
+    if eplb_active():  # SGLang's rearrangement must move our tensors (plugins/eplb.py)
+        expose_for_eplb(layer, weights)
     state = LayerState(plan, weights)
     _build_runtime(state, weights.w2.device)
     layer.atom_moe = state  # the tag: this layer runs on our prepared weights

@@ -17,6 +17,7 @@ from ...spec import Activation, ActivationKind, MoESpec, Scheme, SpecError
 from ...weights import PreparedWeights, prepare_stacked
 from ..common import (Flags, LimitError, Mode, check_start_limits, fused_transport, layer_spec,
                       local_experts_from_map, tokens_per_rank)
+from ..eplb import eplb_problem, slot_views
 
 # SGLang parameters each scheme's weights arrive in (w13, w2, w13 scale, w2 scale).
 PARAMS = {
@@ -86,18 +87,46 @@ def activation_of(layer) -> tuple[Activation, GateUpLayout] | str:
 
 
 def local_experts(layer) -> tuple[int, ...] | str:
-    """Global ids of this rank's experts in slot order, from SGLang's own placement."""
-    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+    """Global ids of this rank's experts in slot order, from SGLang's own placement.
 
-    meta = get_global_expert_location_metadata() if getattr(layer, "uses_expert_location", True) else None
-    if meta is not None:
-        p2l = meta.physical_to_logical_map[layer.layer_id].cpu()
-        if p2l.numel() != layer.num_experts or not torch.equal(p2l, torch.arange(p2l.numel(), dtype=p2l.dtype)):
-            return "EPLB / non-trivial expert placement (we do not remap physical experts)"
+    Under EPLB these are physical slot ids: SGLang's top-k hands physical ids and its loader
+    fills every slot with its logical expert's rows (plugins/eplb.py), so the slots are our experts.
+    """
+    if eplb_active() and _moe_args().ep_dispatch_algorithm is None:
+        return ("a non-trivial expert placement without --ep-dispatch-algorithm (SGLang's top-k would hand "
+                "logical ids to physical slots)")
     # the same function SGLang's weight loader uses to place expert e: slot or -1
     table = torch.tensor([layer._map_global_expert_id_to_local_expert_id(e) for e in range(layer.num_experts)])
     return local_experts_from_map(table, layer.num_experts)
 
+
+def _moe_args():
+    """SGLang's resolved MoE settings (runtime_context in 0.5.23; the server arguments before it)."""
+    try:
+        from sglang.srt.runtime_context import get_exec
+    except ImportError:
+        return server_args()
+    return get_exec().moe
+
+
+def eplb_active() -> bool:
+    """Whether SGLang places physical expert replicas (EPLB, redundant experts or a given placement)."""
+    moe = _moe_args()
+    return bool(moe.enable_eplb or moe.init_expert_location != "trivial" or moe.ep_num_redundant_experts > 0)
+
+
+def expose_for_eplb(layer, weights: PreparedWeights) -> list[str]:
+    """Register our per-slot tensors as the layer's parameters, which SGLang's EPLB rearrangement moves.
+
+    The models' get_moe_weights() list the FusedMoE parameters with one row per local slot;
+    ours are views of the prepared tensors (no copy), so a move lands in what our kernels read.
+    """
+    names = []
+    for i, t in enumerate(slot_views(weights)):
+        name = f"atom_moe_slots_{i}"
+        layer.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
+        names.append(name)
+    return names
 
 
 def server_args():
@@ -160,6 +189,8 @@ def plan_layer(layer, method, fused_flag: bool, transport_flag: str = "auto",
     scheme = scheme_of(layer, method, mxfp4_scheme)
     if not isinstance(scheme, Scheme):  # a reason (Scheme is a str enum: test the enum)
         return scheme
+    if eplb_active() and eplb_problem(scheme):
+        return eplb_problem(scheme)
     act = activation_of(layer)
     if isinstance(act, str):
         return act

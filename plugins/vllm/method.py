@@ -37,6 +37,7 @@ from ...spec import Activation, ActivationKind, MoESpec, Scheme, SpecError
 from ...weights import PreparedWeights, prepare_stacked
 from ..common import (FLAG_FUSED, Flags, LimitError, Mode, check_start_limits, fused_transport, layer_spec,
                       local_experts_from_map, tokens_per_rank, warn_once)
+from ..eplb import eplb_problem, slot_views
 
 # the package's logger, by name: the package imports this module, so importing it back would be a cycle
 log = logging.getLogger("vllm.atom_moe")
@@ -106,6 +107,13 @@ class AtomRoutedExperts(RoutedExperts):
             return inner
         return AtomMoEMethod(inner, plan)
 
+    def get_expert_weights(self) -> list[torch.Tensor]:
+        """What vLLM's EPLB rearrangement moves: our prepared per-slot tensors once they exist."""
+        method = getattr(self, "quant_method", None)
+        if isinstance(method, AtomMoEMethod) and method.weights is not None:
+            return slot_views(method.weights)
+        return super().get_expert_weights()
+
 
 def _weights_only_method(quant_config, moe_config) -> FusedMoEMethodBase | None:
     """vLLM's gpt-oss MXFP4 method without its kernel choice, for its create_weights only.
@@ -160,16 +168,30 @@ def _activation_of(layer: RoutedExperts, moe) -> tuple[Activation, GateUpLayout]
 
 
 
+def _eplb_reason(moe, scheme: Scheme) -> str | None:
+    """Why this EPLB layer keeps vLLM's path, or None (also None with EPLB off).
+
+    With EPLB vLLM's router maps logical ids to physical replicas and records the load
+    before `apply`, so our spec's experts are the P physical slots (plugins/eplb.py).
+    """
+    pc = moe.moe_parallel_config
+    if not pc.enable_eplb:
+        return None
+    redundant = get_current_vllm_config().parallel_config.eplb_config.num_redundant_experts
+    if moe.num_experts != moe.num_logical_experts + redundant:
+        return (f"EPLB layer with {moe.num_experts} physical experts for {moe.num_logical_experts} logical ones and "
+                f"{redundant} redundant (fused shared experts under EPLB)")
+    return eplb_problem(scheme)
+
+
 def plan_layer(layer: RoutedExperts, inner: FusedMoEMethodBase, moe) -> LayerPlan | str:
     """Our plan for this layer, or the reason it keeps vLLM's path. Raises LimitError on bad limits."""
     pc = moe.moe_parallel_config
-    if pc.enable_eplb:
-        return "EPLB is enabled (we do not move experts)"
     if moe.is_lora_enabled:
         return "LoRA is enabled"
     if layer.apply_router_weight_on_input:
         return "apply_router_weight_on_input=True"
-    if moe.num_experts != moe.num_logical_experts:
+    if moe.num_experts != moe.num_logical_experts and not pc.enable_eplb:
         return "redundant or fused shared experts"
     if moe.intermediate_pad is not None:
         return f"intermediate_pad={moe.intermediate_pad}"
@@ -178,6 +200,9 @@ def plan_layer(layer: RoutedExperts, inner: FusedMoEMethodBase, moe) -> LayerPla
     scheme = _scheme_of(layer, inner)
     if not isinstance(scheme, Scheme):  # a reason (Scheme is a str enum: test the enum)
         return scheme
+    eplb = _eplb_reason(moe, scheme)
+    if eplb:
+        return eplb
     act = _activation_of(layer, moe)
     if isinstance(act, str):
         return act
@@ -237,6 +262,10 @@ class AtomMoEMethod(FusedMoEMethodBase):
     @property
     def is_monolithic(self) -> bool:
         return False  # vLLM routes; we get topk ids and weights
+
+    @property
+    def supports_eplb(self) -> bool:
+        return True  # vLLM routes to physical replicas; AtomRoutedExperts.get_expert_weights lists our tensors
 
     @property
     def supports_internal_mk(self) -> bool:
