@@ -121,3 +121,44 @@ def test_custom_op_takes_the_engines_agreed_count(seed):
         assert ((out.float() - want).norm() / want.norm()).item() <= 1e-2
     ops.unbind(handle)
     pair.close()
+
+
+@pytest.mark.gpu
+def test_graphs_captured_for_decode_sizes_replay_the_decode_op(seed):
+    """CUDA, Triton experts, EP 1: the graph's size picks the op at capture (decode at T <= D, prefill above);
+    replays with new routing equal the reference, with no host sync; both ops bind one copy of the weights."""
+    spec = MoESpec.create(hidden_size=256, intermediate_size=128, num_experts=8, top_k=2, scheme="bf16")
+    raw = random_layer(spec, generator=torch.Generator().manual_seed(seed))
+    weights = prepare_stacked(spec, raw.w13, raw.w2, layout="separated", device="cuda")
+    ref = ReferenceWeights.from_prepared(weights)
+    pair = MegaMoEInstances(spec, None, max_tokens_per_rank=64, decode_tokens=8, experts_backend="triton",
+                            device="cuda")
+    pair.warmup(weights, seed=seed)
+    pair.bind(weights)
+    ran = []
+    for name in ("decode", "prefill"):
+        op = getattr(pair, name)
+        forward = op.forward
+        op.forward = lambda *a, _f=forward, _n=name, **k: (ran.append(_n), _f(*a, **k))[1]
+    g = torch.Generator().manual_seed(seed)
+    for T, want in ((1, "decode"), (8, "decode"), (9, "prefill"), (64, "prefill")):
+        x, w, ids = random_tokens(spec, T, generator=g, device="cuda")
+        x_s, w_s, ids_s = x.clone(), w.contiguous().clone(), ids.contiguous().clone()
+        pair.forward(x_s, w_s, ids_s)  # eager first: compiles this size's kernels outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out_s = pair.forward(x_s, w_s, ids_s)
+        assert ran[-1] == want, (T, ran)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(3):
+                x, w, ids = random_tokens(spec, T, generator=g, device="cuda")
+                x_s.copy_(x), w_s.copy_(w), ids_s.copy_(ids)
+                graph.replay()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        want_out = reference_moe(x, w, ids, ref, spec.activation)
+        err = ((out_s.float() - want_out).norm() / want_out.norm()).item()
+        assert torch.isfinite(out_s).all() and err <= 1e-2, (T, err)
+    assert pair.decode._weights is weights and pair.prefill._weights is weights
+    pair.close()
