@@ -34,6 +34,7 @@ from .spec import MoESpec
 from .weights import PreparedWeights
 
 if TYPE_CHECKING:
+    from .ep.instances import MegaMoEInstances
     from .ep.op import MegaMoE
     from .experts import Workspace
 
@@ -65,12 +66,21 @@ def bind_experts(weights: PreparedWeights, spec: MoESpec, *, backend: str,
     return _add("experts", run)
 
 
-def bind_mega_moe(op: MegaMoE, weights: PreparedWeights) -> str:
-    """Bind one layer's weights to a (shared) MegaMoE op; return the handle for torch.ops.atom_moe.mega_moe."""
-    op.bind(weights)  # checks the weights against the op's spec and device now, not at the first forward
+def bind_mega_moe(op: MegaMoE | MegaMoEInstances, weights: PreparedWeights,
+                  agreed_tokens: Callable[[], int | None] | None = None) -> str:
+    """Bind one layer's weights to a (shared) MegaMoE op; return the handle for torch.ops.atom_moe.mega_moe.
 
-    def run(x, topk_weights, topk_ids):
-        return op.bind(weights).forward(x, topk_weights, topk_ids)
+    For a MegaMoEInstances pair, agreed_tokens (called at run time, once per call) gives the
+    engine's largest token count across its DP ranks, the same on every rank, or None (the pair
+    gathers it itself); it picks the decode or the prefill op.
+    """
+    op.bind(weights)  # checks the weights against the op's spec and device now, not at the first forward
+    if agreed_tokens is not None:
+        def run(x, topk_weights, topk_ids):
+            return op.bind(weights).forward(x, topk_weights, topk_ids, agreed_tokens=agreed_tokens())
+    else:
+        def run(x, topk_weights, topk_ids):
+            return op.bind(weights).forward(x, topk_weights, topk_ids)
     return _add("mega_moe", run)
 
 

@@ -26,6 +26,9 @@ FLAG_MXFP4_ACT = "ATOM_MOE_MXFP4_ACT"  # activations of MXFP4 expert layers: bf1
 # bf16 is the default: on one H200 (docs/perf/after-merge-h200.md) a16w4 is faster from T=128 on
 # and ~20x more accurate; a8w4 wins only at T=1 (docs/vllm.md has the numbers)
 MXFP4_ACTS = {"bf16": Scheme.A16W4, "fp8": Scheme.A8W4}
+# fused mode: a second, small MegaMoE per layer shape for steps of at most this many tokens per rank
+# (atom_moe.ep.MegaMoEInstances; default atom_moe.ep.DECODE_TOKENS = 128; 0: one op for every step)
+FLAG_DECODE_TOKENS = "ATOM_MOE_DECODE_TOKENS"
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
@@ -51,6 +54,7 @@ class Flags:
     kernels_path: str | None = None
     transport: str = "auto"
     mxfp4_act: str = "bf16"  # ATOM_MOE_MXFP4_ACT: a key of MXFP4_ACTS
+    decode_tokens: int = 128  # ATOM_MOE_DECODE_TOKENS: the decode MegaMoE's capacity per rank; 0 = none
 
     @property
     def mxfp4_scheme(self) -> Scheme:
@@ -95,7 +99,19 @@ def parse_flags(env: Mapping[str, str] | None = None) -> Flags:
     if act not in MXFP4_ACTS:
         raise FlagError(f"{FLAG_MXFP4_ACT}={env.get(FLAG_MXFP4_ACT)!r}; allowed: "
                         + ", ".join(f"{k} ({v.value})" for k, v in MXFP4_ACTS.items()))
-    return Flags(mode, path, transport, act)
+    return Flags(mode, path, transport, act, _decode_tokens(env))
+
+
+def _decode_tokens(env: Mapping[str, str]) -> int:
+    from ..ep.instances import DECODE_TOKENS
+
+    raw = env.get(FLAG_DECODE_TOKENS, "").strip()
+    if not raw:
+        return DECODE_TOKENS
+    if not raw.isdigit():
+        raise FlagError(f"{FLAG_DECODE_TOKENS}={env.get(FLAG_DECODE_TOKENS)!r} is not a token count; use an integer "
+                        f">= 0 (tokens per rank of the decode MegaMoE; 0: one MegaMoE for every step)")
+    return int(raw)
 
 
 def fused_transport(flags: Flags, ep_size: int, device: torch.device, backend: str, spec: MoESpec) -> str:
@@ -105,6 +121,36 @@ def fused_transport(flags: Flags, ep_size: int, device: torch.device, backend: s
     if ep_size == 1:
         return "local"
     return flags.transport if flags.transport != "auto" else auto_transport(ep_size, device, backend, "bf16", spec)
+
+
+def decode_capacity(flags: Flags, tokens: int) -> int | None:
+    """The decode MegaMoE's capacity for a fused layer sized for `tokens` per rank, or None (one op serves all)."""
+    return flags.decode_tokens if 0 < flags.decode_tokens < tokens else None
+
+
+def build_fused_op(spec: MoESpec, group, cpu_group, *, tokens: int, decode_tokens: int | None, transport: str,
+                   backend: str, device: torch.device):
+    """One MegaMoE sized for `tokens` per rank, or with decode_tokens a decode + prefill pair (MegaMoEInstances).
+
+    The pair's decode buffers come on top of the planned ones: on CUDA they must fit in what is free.
+    """
+    from ..ep import MegaMoE, MegaMoEInstances, buffer_sizes
+
+    if decode_tokens is None:
+        return MegaMoE(spec, group, cpu_group=cpu_group, max_tokens_per_rank=tokens, transport=transport,
+                       experts_backend=backend, device=device)
+    if device.type == "cuda":
+        need = sum(buffer_sizes(spec, spec.placement.world_size, tokens, "bf16", transport=transport,
+                                experts_backend=backend).values())
+        need += sum(buffer_sizes(spec, spec.placement.world_size, decode_tokens, "bf16", transport=transport,
+                                 experts_backend=backend).values())
+        free = torch.cuda.mem_get_info(device)[0]
+        if need > free:
+            raise LimitError(f"the decode ({decode_tokens} tokens per rank) and prefill ({tokens}) MegaMoE buffers "
+                             f"need {need / 2**30:.2f} GiB per rank but only {free / 2**30:.2f} GiB is free; lower "
+                             f"the token budget or set {FLAG_DECODE_TOKENS}=0 (one MegaMoE)")
+    return MegaMoEInstances(spec, group, cpu_group=cpu_group, max_tokens_per_rank=tokens,
+                            decode_tokens=decode_tokens, transport=transport, experts_backend=backend, device=device)
 
 
 def versions() -> dict[str, str]:
@@ -125,8 +171,11 @@ def startup_line(engine: str, engine_version: str, flags: Flags, detail: str = "
     """The one line a plugin logs when it activates: mode, flags, versions."""
     v = versions()
     what = {
-        Mode.FUSED: f"{FLAG_FUSED}=1: MegaMoE fused dispatch + experts + combine on DP+EP layers, "
-                    "our experts step on the others",
+        Mode.FUSED: f"{FLAG_FUSED}=1: MegaMoE fused dispatch + experts + combine on DP+EP layers ("
+                    + (f"a decode MegaMoE for steps of <= {flags.decode_tokens} tokens per rank, "
+                       f"{FLAG_DECODE_TOKENS}={flags.decode_tokens}" if flags.decode_tokens
+                       else f"one MegaMoE for every step, {FLAG_DECODE_TOKENS}=0")
+                    + "), our experts step on the others",
         Mode.EXPERTS: f"{FLAG_EXPERTS}=1: our experts step; {engine} keeps its dispatch and combine",
         Mode.OFF: "off",
     }[flags.mode]

@@ -339,6 +339,13 @@ def test_eplb_planted_bug_fails():
         _run_ranks("eplb_plant", "bf16", world=2)
 
 
+@pytest.mark.parametrize("scheme", ["bf16", "a8w4"])
+def test_dp_ep_decode_prefill_switch(scheme):
+    """ATOM_MOE_DECODE_TOKENS=8: a decode and a prefill MegaMoE, the same weights; SGLang's DP-wide count
+    picks the op on both ranks; outputs = the reference on both sides; differing views raise on both."""
+    _run_ranks("dp_ep_switch", scheme, world=2)
+
+
 def _run_ranks(mode: str, scheme: str, world: int) -> None:
     port = c.free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ATOM_USE_FLYDSL", "ATOM_FLYDSL"))}

@@ -15,6 +15,10 @@ initial placement): SGLang's top-k maps ids to physical replicas with its tables
 physical slots, then SGLang's own ExpertLocationUpdater rearranges the experts (weights over gloo P2P,
 tables in place) mid-run and the next forward must still equal the reference. MODE eplb_plant: eplb
 with the planted bug that our tensors are not exposed to SGLang's rearrangement: the check after it fails.
+MODE dp_ep_switch: as dp_ep with ATOM_MOE_DECODE_TOKENS=8: a decode and a prefill MegaMoE per
+layer shape; steps whose DP-wide largest count (SGLang's get_dp_global_num_tokens) is <= 8 run
+the decode op, larger ones the prefill op, whatever this rank's own count; every output equals
+the full reference; ranks whose views of the DP counts differ raise MegaMoEError on both ranks.
 Prints "RANK r OK" on success, after tearing SGLang's groups down; any failure raises (non-zero exit).
 """
 
@@ -24,8 +28,10 @@ import os
 import sys
 
 mode, scheme, rank, world, port, seed = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
-os.environ["ATOM_USE_FLYDSL_FUSED" if mode in ("dp_ep", "eplb_dp") else "ATOM_USE_FLYDSL"] = "1"
+os.environ["ATOM_USE_FLYDSL_FUSED" if mode.startswith("dp_ep") or mode == "eplb_dp" else "ATOM_USE_FLYDSL"] = "1"
 os.environ["SGLANG_EXPERT_LOCATION_UPDATER_CANARY"] = "1"  # SGLang checks its own transfer of each slot's map
+if mode == "dp_ep_switch":
+    os.environ["ATOM_MOE_DECODE_TOKENS"] = "8"
 # SCHEME a8w4: the MXFP4 (gpt-oss style) checkpoint with ATOM_MOE_MXFP4_ACT=fp8
 ckpt = "mxfp4" if scheme == "a8w4" else scheme
 os.environ["ATOM_MOE_MXFP4_ACT"] = "fp8" if scheme == "a8w4" else "bf16"
@@ -164,7 +170,7 @@ def main() -> None:
         return check_limit()
     if mode.startswith("eplb"):
         return eplb()
-    dp = mode == "dp_ep"
+    dp = mode.startswith("dp_ep")
     start(dp)
     from sglang.srt.layers.moe.utils import (get_moe_a2a_backend, is_moe_input_scattered_across_dp_ranks,
                                              post_experts_all_reduce, post_experts_output_is_complete)
@@ -186,6 +192,8 @@ def main() -> None:
         layer.dispatcher.dispatch = layer.dispatcher.combine = None  # SGLang's dispatcher must not run
         layers[reduce] = layer
 
+    if mode == "dp_ep_switch":
+        return switch_steps(layers[False], ref)
     tok = torch.Generator().manual_seed(seed * 31 + (rank if dp else 0) + 1)  # DP: tokens differ per rank
     T = 23 + (5 * rank if dp else 0)
     x = torch.randn(T, c.H, generator=tok).bfloat16()
@@ -212,6 +220,52 @@ def main() -> None:
             assert "cannot run" in str(exc) and "float16" in str(exc), exc
         else:
             raise AssertionError("an unsupported layer under fused megamoe was accepted")
+
+
+def switch_steps(layer, ref) -> None:
+    """Decode and prefill steps through SGLang's FusedMoE; the op is picked by the DP-wide count."""
+    from sglang.srt.layers.dp_attention import set_dp_buffer_len
+
+    from atom_moe.ep import MegaMoEError, MegaMoEInstances
+    from atom_moe.plugins.sglang.hooks import dp_max_tokens
+
+    state = layer.atom_moe
+    pair = state.op
+    assert isinstance(pair, MegaMoEInstances), type(pair)
+    assert pair.decode.max_tokens_per_rank == 8 and pair.prefill.max_tokens_per_rank == state.plan.tokens > 8
+    ran = []
+    for name in ("decode", "prefill"):
+        op = getattr(pair, name)
+        forward = op.forward
+        op.forward = lambda *a, _f=forward, _n=name, **k: (ran.append(_n), _f(*a, **k))[1]
+    tok = torch.Generator().manual_seed(seed * 131 + rank)
+
+    def step(counts, view=None):
+        T = counts[rank]
+        x = torch.randn(T, c.H, generator=tok).bfloat16()
+        logits = torch.randn(T, c.E, generator=tok)
+        w, ids = c.route(logits)
+        view = list(view or counts)
+        set_dp_buffer_len(sum(view), T, False, view)  # what SGLang sets per batch under DP attention
+        assert dp_max_tokens() == max(view)
+        return layer.forward(x, c.topk_output(w, ids, logits)), c.expected(scheme, x, w, ids, ref)
+
+    # (tokens per DP rank, the op every rank must run): a peer's count alone can move both to prefill
+    for counts, want in (((3, 5), "decode"), ((8, 8), "decode"), ((2, 20), "prefill"), ((23, 28), "prefill"),
+                         ((1, 6), "decode")):
+        out, full = step(counts)
+        assert ran[-1] == want, (counts, ran)
+        c.assert_matches(out, full)
+    assert pair.decode._weights is pair.prefill._weights is state.weights  # one copy of the weights
+    # an engine whose ranks disagree on the DP counts: rank 0 picks decode, rank 1 prefill; both raise
+    try:
+        step((3, 4), ((3, 4), (20, 4))[rank])
+    except MegaMoEError as exc:
+        assert "different max_tokens_per_rank" in str(exc), exc
+    else:
+        raise AssertionError("ranks that picked different MegaMoE ops were not caught")
+    out, full = step((3, 4))  # the next step runs normally
+    c.assert_matches(out, full)
 
 
 if __name__ == "__main__":

@@ -202,3 +202,42 @@ def test_eplb_bench_rejects_bad_sizes(tmp_path):
     run, _ = _eplb_bench(tmp_path, "--ep", "8", "--experts", "128", "--redundant", "3")
     assert run.returncode == 2
     assert "--redundant [3]: allowed: R >= 1 with experts + R a multiple of --ep 8" in run.stderr
+
+
+INSTANCES_ARGS = ["--device", "cpu", "--ep", "2", "--schemes", "bf16", "--tokens", "1", "2", "--decode-capacity", "2",
+                  "--prefill-capacity", "4"]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the symm kernels run on the CPU only under "
+                    "TRITON_INTERPRET=1 (scripts/test.sh sets it)")
+def test_ep_instances_bench_runs_on_the_cpu(tmp_path):
+    """scripts/ep_instances_bench.py at a tiny shape: three ops per T, outputs checked before any row."""
+    out = tmp_path / "inst.csv"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "ep_instances_bench.py"), *INSTANCES_ARGS,
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(out)))
+    assert [(r["tokens_per_rank"], r["impl"], r["capacity"]) for r in rows] == [
+        ("1", "exact", "1"), ("1", "decode", "2"), ("1", "prefill", "4"),
+        ("2", "exact", "2"), ("2", "decode", "2"), ("2", "prefill", "4")]
+    assert all(float(r["max_diff_vs_exact"]) == 0.0 for r in rows)  # same kernels, same rows: bit-equal here
+    assert all(float(r["vs_exact"]) == 1.0 for r in rows if r["impl"] == "exact")
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (scripts/test.sh)")
+def test_ep_instances_bench_reports_no_time_for_a_wrong_op(tmp_path, monkeypatch):
+    """A planted wrong output of the prefill-sized op: no row for it, exit 1."""
+    import ep_instances_bench
+    from atom_moe.ep.simulate import SimulatedSymmGroup
+
+    forward = SimulatedSymmGroup.forward
+
+    def wrong(self, weights, xs, *args, **kwargs):
+        outs = forward(self, weights, xs, *args, **kwargs)
+        if self.capacity == 4:
+            outs[0].mul_(1.5)
+        return outs
+    monkeypatch.setattr(SimulatedSymmGroup, "forward", wrong)
+    out = tmp_path / "inst.csv"
+    assert ep_instances_bench.main([*INSTANCES_ARGS[:7], "1", *INSTANCES_ARGS[9:], "--out", str(out)]) == 1
+    assert list(csv.DictReader(open(out))) == []

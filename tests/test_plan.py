@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from atom_moe.tools.cli import main
-from atom_moe.ep import BufferLimitError, MegaMoE, check_limits
+from atom_moe.ep import BufferLimitError, MegaMoE, buffer_sizes, check_limits
 from atom_moe.checkpoint.config import ModelLayer, load_model, spec_from_config
 from atom_moe.presets import PRESET_MOE_LAYERS
 from atom_moe.tools.plan import GiB, PlanError, make_plan
@@ -107,7 +107,6 @@ def test_op_allocates_the_planned_bytes_torch_transport(wire, monkeypatch, seed)
     plan = make_plan(ModelLayer("small", SMALL, 2), ep=1, tokens=tokens, gpu_bytes=GiB, wire="bf16",
                      experts_backend="triton", transport="torch")
     if wire == "fp8":  # make_plan refuses the fp8 wire at EP 1 (engines run local there): plan it directly
-        from atom_moe.ep import buffer_sizes
         plan.buffer_bytes = sum(buffer_sizes(SMALL, 1, tokens, "fp8", transport="torch",
                                              experts_backend="triton").values())
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -130,7 +129,9 @@ def test_largest_budget_is_exact():
         check_limits(spec, 8, 16320, experts_backend="triton")
     # a GPU just large enough for 700 tokens: memory binds, exactly at 700
     at700 = make_plan(layer, ep=8, tokens=700, gpu_bytes=GiB, reserve_bytes=0)
-    need = at700.weight_bytes + at700.buffer_bytes
+    need = at700.weight_bytes + at700.buffer_bytes + at700.decode_bytes  # the decode op's 128 tokens too
+    assert at700.decode_tokens == 128 and at700.decode_bytes == sum(
+        buffer_sizes(layer.spec.for_rank(0, 8), 8, 128, transport=at700.transport, experts_backend="triton").values())
     tight = make_plan(layer, ep=8, gpu_bytes=need, utilization=1.0, reserve_bytes=0)
     assert tight.max_tokens_memory == 700 and tight.tokens == tight.recommended <= 700 and not tight.problems
     over = make_plan(layer, ep=8, tokens=701, gpu_bytes=need, utilization=1.0, reserve_bytes=0)
@@ -239,10 +240,10 @@ def test_recommended_budget_keeps_the_buffer_share(seed):
     plan = make_plan(layer, ep=8, gpu_bytes=int(140.4 * GiB), reserve_bytes=10 * GiB, buffer_share=share)
     assert plan.tokens == plan.recommended and 0 < plan.recommended <= plan.max_tokens
     assert plan.recommended % 256 == 0
-    assert plan.buffer_bytes <= share * plan.engine_bytes
+    assert plan.buffer_bytes + plan.decode_bytes <= share * plan.engine_bytes  # both MegaMoE ops count
     above = make_plan(layer, ep=8, tokens=plan.recommended + 256, gpu_bytes=int(140.4 * GiB),
                       reserve_bytes=10 * GiB)
-    assert above.buffer_bytes > share * plan.engine_bytes  # the next round budget would take more
+    assert above.buffer_bytes + above.decode_bytes > share * plan.engine_bytes  # the next round budget: more
     wider = make_plan(layer, ep=8, gpu_bytes=int(140.4 * GiB), reserve_bytes=10 * GiB, buffer_share=share * 2)
     assert wider.recommended > plan.recommended and wider.max_tokens == plan.max_tokens
 
@@ -282,3 +283,36 @@ def test_instance_sizes_and_the_replication_verdict(capsys):
     out = capsys.readouterr().out
     assert "verdict: EP is not expected to pay here: gpt-oss-120b fits on one GPU" in out
     assert re.search(r"^  replicate +1 +8 +1 .* +1 +1$", out, re.M)  # decode and prefill instances: 1 GPU
+
+
+def test_decode_and_prefill_ops_both_reported(capsys):
+    """The fused path's decode MegaMoE: its bytes per rank beside the budget-sized op's, in the memory sums."""
+    layer = load_model("deepseek-v3")
+    kw = dict(ep=8, tokens=4096, gpu_bytes=int(140.4 * GiB), reserve_bytes=10 * GiB)
+    spec = layer.spec.for_rank(0, 8)
+    for cap in (128, 512):
+        plan = make_plan(layer, decode_tokens=cap, **kw)
+        want = sum(buffer_sizes(spec, 8, cap, transport=plan.transport, experts_backend="triton").values())
+        assert plan.decode_tokens == cap and plan.decode_bytes == want
+        assert plan.buffer_bytes == sum(buffer_sizes(spec, 8, 4096, transport=plan.transport,
+                                                     experts_backend="triton").values())
+        assert plan.left_bytes == plan.engine_bytes - plan.weight_bytes - plan.buffer_bytes - want
+    one = make_plan(layer, decode_tokens=0, **kw)
+    assert one.decode_tokens == one.decode_bytes == 0 and one.buffer_bytes == plan.buffer_bytes
+    small = make_plan(layer, ep=8, tokens=128, gpu_bytes=int(140.4 * GiB))  # the budget is a decode batch
+    assert small.decode_tokens == small.decode_bytes == 0
+    experts_mode = make_plan(layer, ep=8, tp=8, dp=1, tokens=4096, gpu_bytes=int(140.4 * GiB))
+    assert experts_mode.decode_bytes == 0  # no MegaMoE there
+    assert main(["plan", "deepseek-v3", "--ep", "8", "--gpu-memory-gib", "140.4", "--tokens", "4096"]) == 0
+    out = capsys.readouterr().out
+    d = make_plan(layer, **kw)
+    assert re.search(rf"prefill op \(4096 tokens per rank\) +{d.buffer_bytes:,} B +{d.buffer_bytes / GiB:.3f} GiB",
+                     out), out
+    assert re.search(rf"decode op \(128 tokens per rank; same weights, no copy\) +{d.decode_bytes:,} B "
+                     rf"+{d.decode_bytes / GiB:.3f} GiB", out), out
+    assert "ATOM_MOE_DECODE_TOKENS" not in _flags(out, "vllm")  # the plugins' default
+    assert main(["plan", "deepseek-v3", "--ep", "8", "--gpu-memory-gib", "140.4", "--tokens", "4096",
+                 "--decode-capacity", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "decode op" not in out and "ATOM_MOE_DECODE_TOKENS=0" in _flags(out, "sglang")
+    assert main(["plan", "deepseek-v3", "--ep", "8", "--gpu-memory-gib", "140.4", "--decode-capacity", "-1"]) == 2

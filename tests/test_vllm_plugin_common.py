@@ -173,3 +173,23 @@ def test_startup_line_names_the_mxfp4_scheme(value, shown):
     assert line.endswith(f"; schemes: bf16, fp8 (128x128 blocks), mxfp4 (gpt-oss) {shown}"), line
     other = "a8w4" if "a16w4" in shown else "a16w4"
     assert other not in line
+
+
+@pytest.mark.parametrize("value, tokens", [(None, 128), ("", 128), ("0", 0), ("64", 64), (" 8 ", 8)])
+def test_decode_tokens_flag(value, tokens):
+    env = {"ATOM_USE_FLYDSL_FUSED": "1"} | ({} if value is None else {"ATOM_MOE_DECODE_TOKENS": value})
+    flags = parse_flags(env)
+    assert flags.decode_tokens == tokens
+    line = common.startup_line("vLLM", "0.33.0", flags)
+    assert (f"steps of <= {tokens} tokens per rank, ATOM_MOE_DECODE_TOKENS={tokens}" if tokens
+            else "one MegaMoE for every step, ATOM_MOE_DECODE_TOKENS=0") in line, line
+    # the pair exists only below a larger budget: a budget of at most the decode capacity is one op
+    assert common.decode_capacity(flags, 4096) == (tokens or None)
+    assert common.decode_capacity(flags, tokens or 1) is None
+
+
+@pytest.mark.parametrize("value", ["-1", "abc", "1.5", "128k"])
+def test_bad_decode_tokens_names_the_value_and_what_is_allowed(value):
+    with pytest.raises(FlagError) as info:
+        parse_flags({"ATOM_USE_FLYDSL_FUSED": "1", "ATOM_MOE_DECODE_TOKENS": value})
+    assert str(info.value).startswith(f"ATOM_MOE_DECODE_TOKENS={value!r} is not a token count; use an integer >= 0")

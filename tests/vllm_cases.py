@@ -497,6 +497,14 @@ def test_eplb_planted_bug_fails(seed):
         _launch("eplb_plant", "bf16", seed)
 
 
+@pytest.mark.parametrize("scheme", ["bf16", "a8w4"])
+def test_dp_ep_decode_prefill_switch(scheme, seed):
+    """DP=2 + EP=2 fused with ATOM_MOE_DECODE_TOKENS=8: a decode and a prefill MegaMoE per layer shape, the
+    same weights; vLLM's DP-wide count picks the op on both ranks; outputs = the reference on both sides;
+    ranks with differing views of the counts raise on both (tests/vllm_worker.py, dp_ep_switch)."""
+    _launch("dp_ep_switch", scheme, seed)
+
+
 def test_start_up_limit_names_largest_safe_value(seed):
     """DP+EP fused with a --max-num-batched-tokens whose buffers pass int32: both ranks fail at
     construction, naming the largest safe value (not at the first big batch)."""

@@ -20,6 +20,10 @@ reference before and after. vLLM refuses EPLB off CUDA in ParallelConfig and map
 Triton kernel: here the flag is set after validation and the kernel's rule runs as torch ops
 (eplb_map_twin). MODE eplb_plant: eplb with the planted bug that get_expert_weights lists vLLM's
 (released) parameters instead of ours: the forward after the rearrangement fails.
+MODE dp_ep_switch: as dp_ep with ATOM_MOE_DECODE_TOKENS=8: the layer holds a decode and a
+prefill MegaMoE; steps whose DP-wide largest count (vLLM's forward context) is <= 8 run the
+decode op, larger ones the prefill op, whatever this rank's own count; every output equals the
+full reference; ranks whose views of the DP counts differ raise MegaMoEError on both ranks.
 Prints "RANK r OK" on success; any failure raises (non-zero exit).
 """
 
@@ -31,7 +35,9 @@ import sys
 mode, scheme, rank, world, port, seed = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
 for name in ("ATOM_USE_FLYDSL", "ATOM_USE_FLYDSL_FUSED"):
     os.environ.pop(name, None)
-os.environ["ATOM_USE_FLYDSL_FUSED" if mode in ("dp_ep", "dp_ep_limit", "eplb_dp") else "ATOM_USE_FLYDSL"] = "1"
+os.environ["ATOM_USE_FLYDSL_FUSED" if mode.startswith("dp_ep") or mode == "eplb_dp" else "ATOM_USE_FLYDSL"] = "1"
+if mode == "dp_ep_switch":
+    os.environ["ATOM_MOE_DECODE_TOKENS"] = "8"
 os.environ["VLLM_TARGET_DEVICE"] = "cpu"
 ckpt = "mxfp4" if scheme == "a8w4" else scheme  # the checkpoint; a8w4 is our scheme for it, by flag
 os.environ["ATOM_MOE_MXFP4_ACT"] = "fp8" if scheme == "a8w4" else "bf16"
@@ -221,7 +227,7 @@ def main() -> None:
         per = cases.E // world
         assert spec.local_experts == tuple(range(rank * per, (rank + 1) * per)), spec.local_experts
         assert spec.placement.world_size == world and spec.placement.rank == rank
-        assert method.plan.fused == (mode == "dp_ep")
+        assert method.plan.fused == mode.startswith("dp_ep")
         if ckpt == "mxfp4":
             assert spec.scheme is (cases.Scheme.A8W4 if scheme == "a8w4" else cases.Scheme.A16W4)
         assert not runner.do_naive_dispatch_combine  # vLLM must not dispatch around MegaMoE
@@ -231,6 +237,10 @@ def main() -> None:
         cases.load(runner, ckpt, tensors, ep_range=(rank * per, (rank + 1) * per))
         cases.process(runner)
         assert experts.atom_moe_weights.num_local_experts == per
+        if mode == "dp_ep_switch":
+            switch_steps(runner, method, cfg, ref)
+            print(f"RANK {rank} OK", flush=True)
+            return
 
         tok = torch.Generator().manual_seed(seed * 31 + (rank if dp else 0) + 1)  # DP: tokens differ per rank
         T = 23 + (5 * rank if dp else 0)
@@ -245,6 +255,48 @@ def main() -> None:
             out = runner.forward(x, logits)
         cases.assert_matches(out, cases.expected(scheme, x, logits, ref))
     print(f"RANK {rank} OK", flush=True)
+
+
+def switch_steps(runner, method, cfg, ref) -> None:
+    """Decode and prefill steps through vLLM's MoERunner; the op is picked by the DP-wide count."""
+    from atom_moe.ep import MegaMoEError, MegaMoEInstances
+    from atom_moe.plugins.vllm.method import dp_max_tokens
+
+    pair = method._op
+    assert isinstance(pair, MegaMoEInstances), type(pair)
+    assert pair.decode.max_tokens_per_rank == 8 and pair.prefill.max_tokens_per_rank == method.plan.tokens > 8
+    ran = []
+    for name in ("decode", "prefill"):
+        op = getattr(pair, name)
+        forward = op.forward
+        op.forward = lambda *a, _f=forward, _n=name, **k: (ran.append(_n), _f(*a, **k))[1]
+    tok = torch.Generator().manual_seed(seed * 131 + rank)
+    # (tokens per DP rank, the op every rank must run): a peer's count alone can move both to prefill
+    steps = (((3, 5), "decode"), ((8, 8), "decode"), ((2, 20), "prefill"), ((23, 28), "prefill"), ((1, 6), "decode"))
+    for counts, want in steps:
+        T = counts[rank]
+        x = torch.randn(T, cases.H, generator=tok).bfloat16()
+        logits = torch.randn(T, cases.E, generator=tok)
+        with set_forward_context(None, cfg, num_tokens=T, num_tokens_across_dp=torch.tensor(counts)):
+            assert dp_max_tokens() == max(counts)
+            out = runner.forward(x, logits)
+        assert ran[-1] == want, (counts, ran)
+        cases.assert_matches(out, cases.expected(scheme, x, logits, ref))
+    assert pair.decode._weights is pair.prefill._weights is runner.routed_experts.atom_moe_weights  # one copy
+    # an engine whose ranks disagree on the DP counts: rank 0 picks decode, rank 1 prefill; both raise
+    counts, view = (3, 4), ((3, 4), (20, 4))[rank]
+    x = torch.randn(counts[rank], cases.H, generator=tok).bfloat16()
+    logits = torch.randn(counts[rank], cases.E, generator=tok)
+    with set_forward_context(None, cfg, num_tokens=counts[rank], num_tokens_across_dp=torch.tensor(view)):
+        try:
+            runner.forward(x, logits)
+        except MegaMoEError as exc:
+            assert "different max_tokens_per_rank" in str(exc), exc
+        else:
+            raise AssertionError("ranks that picked different MegaMoE ops were not caught")
+    with set_forward_context(None, cfg, num_tokens=counts[rank], num_tokens_across_dp=torch.tensor(counts)):
+        out = runner.forward(x, logits)  # the next step runs normally
+    cases.assert_matches(out, cases.expected(scheme, x, logits, ref))
 
 
 def check_limit(cfg) -> None:

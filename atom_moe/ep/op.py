@@ -130,9 +130,10 @@ class MegaMoE:
             with torch.inference_mode(False), torch.no_grad():
                 self._workspace = allocate_workspace(self.kspec, self.transport.rows, self.device)
             self.buffers.update({f"workspace.{n}": t for n, t in workspace_tensors(self._workspace).items()})
-        # host-side agreement buffers: [num_tokens, error flag] per rank, reused every call
-        self._mine = torch.zeros(2, dtype=torch.int64)
-        self._all = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world)]
+        # host-side agreement buffers: [num_tokens, error flag, capacity] per rank, reused every call; the
+        # capacity tells apart ops of one shape and group (MegaMoEInstances) that ranks must pick alike
+        self._mine = torch.zeros(3, dtype=torch.int64)
+        self._all = [torch.zeros(3, dtype=torch.int64) for _ in range(self.world)]
 
     # ------------------------------------------------------------------ build helpers
     def _placement_problem(self) -> str | None:
@@ -317,18 +318,21 @@ class MegaMoE:
         return self.bind(weights).forward(x, topk_weights, topk_ids)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, agreed_max: int | None = None) -> torch.Tensor:
         """[T, H] in x.dtype: the bound layer's MoE output for this rank's tokens (global expert ids).
 
         out: an optional [T, H] tensor in x.dtype to write into (no allocation in the forward).
+        agreed_max: what `agree()` returned for this very call on every rank (MegaMoEInstances checks
+        once for both of its ops); None: the op agrees here.
         """
         self._check_open()
-        problem = self._input_problem(x, topk_weights, topk_ids)
-        if problem is None and out is not None and (out.shape != x.shape or out.dtype != x.dtype
-                                                    or out.device != x.device or not out.is_contiguous()):
-            problem = (f"out must be a contiguous [T, H] = {list(x.shape)} {x.dtype} tensor on {x.device}, got "
-                       f"{list(out.shape)} {out.dtype} on {out.device}")
-        num_tokens = self._agree_on_call(x, problem)
+        if agreed_max is None:
+            num_tokens = self._agree_on_call(x, self._call_problem(x, topk_weights, topk_ids, out))[0]
+        else:  # every rank checked this call in agree() and holds the same agreed_max: all raise alike
+            if agreed_max > self.max_tokens_per_rank:
+                raise MegaMoEError(f"rank {self.rank}: the agreed {agreed_max} tokens per rank exceed this op's "
+                                   f"max_tokens_per_rank={self.max_tokens_per_rank}; nothing was sent")
+            num_tokens = x.shape[0]
         warn_fp32(x, "MegaMoE.forward")
         if self.record_load:
             self._count_load(topk_ids)
@@ -390,6 +394,24 @@ class MegaMoE:
         from ..experts_torch import experts_torch
         return experts_torch(x, w, ids, self._weights, self.kspec)
 
+    def agree(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+              out: torch.Tensor | None = None, capacity: int | None = None) -> int:
+        """Check this call on every rank (collective) and return the most tokens any rank brings.
+
+        capacity: the per-rank token limit to enforce (default: max_tokens_per_rank). While a CUDA
+        graph is captured, with check_tokens=False or at EP 1 no rank is asked: x's own rows are returned.
+        """
+        self._check_open()
+        return self._agree_on_call(x, self._call_problem(x, topk_weights, topk_ids, out), capacity)[1]
+
+    def _call_problem(self, x, topk_weights, topk_ids, out) -> str | None:
+        problem = self._input_problem(x, topk_weights, topk_ids)
+        if problem is None and out is not None and (out.shape != x.shape or out.dtype != x.dtype
+                                                    or out.device != x.device or not out.is_contiguous()):
+            problem = (f"out must be a contiguous [T, H] = {list(x.shape)} {x.dtype} tensor on {x.device}, got "
+                       f"{list(out.shape)} {out.dtype} on {out.device}")
+        return problem
+
     def _input_problem(self, x, topk_weights, topk_ids) -> str | None:
         """What is wrong with this rank's call, or None (checked before any collective)."""
         if self._weights is None:
@@ -414,36 +436,40 @@ class MegaMoE:
             return "experts_backend='torch' is not CUDA-graph safe (it syncs with the host); build with 'triton'"
         return None
 
-    def _agree_on_call(self, x, problem: str | None) -> int:
-        """Raise on every rank if any rank's call is invalid or has too many tokens; return T."""
+    def _agree_on_call(self, x, problem: str | None, capacity: int | None = None) -> tuple[int, int]:
+        """Raise on every rank if any rank's call is invalid or has too many tokens; return (T, max T of all ranks)."""
         T = x.shape[0] if problem is None else -1
-        mtpr = self.max_tokens_per_rank
+        mtpr = self.max_tokens_per_rank if capacity is None else capacity
         if self.world == 1 or not self.check_tokens or _capturing(self.device):
             # shapes are static during capture and were validated on every rank at warm-up/first call
             if problem:
                 raise MegaMoEError(f"rank {self.rank}: {problem}")
             if T > mtpr:
                 raise MegaMoEError(f"rank {self.rank}: {T} tokens exceed max_tokens_per_rank={mtpr}")
-            return T
-        self._mine[0], self._mine[1] = T, int(problem is not None)
+            return T, T
+        self._mine[0], self._mine[1], self._mine[2] = T, int(problem is not None), mtpr
         try:
             dist.all_gather(self._all, self._mine, group=self.cpu_group)
         except RuntimeError as exc:
             raise MegaMoEError(f"rank {self.rank}: the EP peers did not all reach forward within the process-group "
                                f"timeout (a peer failed or skipped this call): {exc}") from exc
-        counts, flags = [int(t[0]) for t in self._all], [int(t[1]) for t in self._all]
+        counts, flags, caps = ([int(t[i]) for t in self._all] for i in range(3))
         if any(flags):
             # a second collective, only on this error path, that every rank enters (all saw the flag)
             msgs = [None] * self.world
             dist.all_gather_object(msgs, problem, group=self.cpu_group)
             raise MegaMoEError("invalid MegaMoE call: " + "; ".join(f"rank {r}: {m}" for r, m in enumerate(msgs) if m))
+        if len(set(caps)) > 1:
+            raise MegaMoEError("the EP ranks ran MegaMoE ops of different max_tokens_per_rank in one step ("
+                               + ", ".join(f"rank {r}: {c}" for r, c in enumerate(caps)) + "); the choice between "
+                               "a decode and a prefill op must come from a count every rank agrees on")
         over = [(r, c) for r, c in enumerate(counts) if c > mtpr]
         if over:
             raise MegaMoEError("tokens exceed max_tokens_per_rank=" + str(mtpr) + " on "
                                + ", ".join(f"rank {r} ({c} tokens)" for r, c in over)
                                + "; nothing was sent. Rebuild the op with a larger max_tokens_per_rank "
                                "or split the batch")
-        return T
+        return T, max(counts)
 
     # ------------------------------------------------------------------ load statistic, rebalancing
     def _count_load(self, topk_ids: torch.Tensor) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..ep.instances import DECODE_TOKENS
 from ..ep.buffers import INT32_MAX, INT64_INDEXED, WIRES, BufferLimitError, buffer_plan, buffer_sizes, check_limits, largest_true
 from ..checkpoint.config import ModelLayer, load_model
 from ..spec import MoESpec, Scheme, SpecError
@@ -103,6 +104,9 @@ class Plan:
     rows_per_call: int = 0  # tokens one rank's MoE call holds at the budget (DP x budget where the engine gathers)
     recommended: int = 0  # largest round budget whose buffers stay within buffer_share of the engine's memory
     buffer_share: float = 0.1
+    # fused: the decode MegaMoE beside the budget-sized one (atom_moe.ep.MegaMoEInstances); 0: none
+    decode_tokens: int = 0
+    decode_bytes: int = 0  # its buffers per rank (the weights are shared: no second copy)
 
     @property
     def engine_bytes(self) -> int:
@@ -111,7 +115,7 @@ class Plan:
     @property
     def left_bytes(self) -> int:
         """What the engine has left for everything else (dense weights, activations, KV cache)."""
-        return self.engine_bytes - self.weight_bytes - self.buffer_bytes
+        return self.engine_bytes - self.weight_bytes - self.buffer_bytes - self.decode_bytes
 
     @property
     def max_tokens(self) -> int:
@@ -125,11 +129,13 @@ class Plan:
 def make_plan(layer: ModelLayer, *, ep: int, dp: int | None = None, tp: int = 1, tokens: int | None = None,
               gpu_bytes: int, utilization: float = 0.9, reserve_bytes: int = 0, wire: str = "bf16",
               experts_backend: str = "auto", transport: str | None = None, fused: bool | None = None,
-              buffer_share: float = 0.1, redundant_experts: int = 0) -> Plan:
+              buffer_share: float = 0.1, redundant_experts: int = 0, decode_tokens: int = DECODE_TOKENS) -> Plan:
     """Plan one layout; `tokens=None` plans the recommended budget. Raises PlanError on bad input.
 
     fused=None: MegaMoE fused wherever the engines run it (TP 1, DP = EP > 1); False: the
-    engine's own dispatch with our experts step (the "ep" layout).
+    engine's own dispatch with our experts step (the "ep" layout). decode_tokens: the fused
+    path's decode MegaMoE capacity per rank (the plugins' ATOM_MOE_DECODE_TOKENS), built beside
+    the budget-sized op when the budget is larger; 0: one op.
     """
     dp = (ep // tp if ep > 1 else 1) if dp is None else dp
     for name, value in (("--ep", ep), ("--dp", dp), ("--tp", tp)):
@@ -158,6 +164,8 @@ def make_plan(layer: ModelLayer, *, ep: int, dp: int | None = None, tp: int = 1,
         raise PlanError(f"--buffer-share must be in (0, 1], got {buffer_share}")
     if tokens is not None and tokens < 1:
         raise PlanError(f"--tokens must be a positive int, got {tokens}")
+    if not isinstance(decode_tokens, int) or decode_tokens < 0:
+        raise PlanError(f"--decode-capacity must be an int >= 0 (0: one MegaMoE), got {decode_tokens!r}")
     if gpu_bytes <= 0 or reserve_bytes < 0:
         raise PlanError(f"GPU memory must be > 0 and the reserve >= 0, got {gpu_bytes} and {reserve_bytes} bytes")
     N, R = layer.spec.num_experts, redundant_experts
@@ -195,6 +203,14 @@ def make_plan(layer: ModelLayer, *, ep: int, dp: int | None = None, tp: int = 1,
     def sizes(t: int) -> dict[str, int]:
         return buffer_sizes(spec, op_ep, gather * t, wire, transport=transport, experts_backend=backend)
 
+    decode_total = sum(sizes(decode_tokens).values()) if fused and decode_tokens else 0
+
+    def decode_bytes(t: int) -> int:  # the decode op exists only below a larger budget
+        return decode_total if 0 < decode_tokens < t else 0
+
+    def all_buffers(t: int) -> int:
+        return sum(sizes(t).values()) + decode_bytes(t)
+
     def fits_int32(t: int) -> bool:
         try:
             check_limits(spec, op_ep, gather * t, wire, transport=transport, experts_backend=backend)
@@ -203,12 +219,12 @@ def make_plan(layer: ModelLayer, *, ep: int, dp: int | None = None, tp: int = 1,
         return True
 
     def fits_memory(t: int) -> bool:
-        return weight_bytes + sum(sizes(t).values()) + reserve_bytes <= engine
+        return weight_bytes + all_buffers(t) + reserve_bytes <= engine
 
     max_int32 = largest_true(fits_int32, SEARCH_CAP)
     max_mem = largest_true(fits_memory, SEARCH_CAP)
     top = min(max_int32, max_mem)
-    within_share = largest_true(lambda t: sum(sizes(t).values()) <= buffer_share * engine, top) if top else 0
+    within_share = largest_true(lambda t: all_buffers(t) <= buffer_share * engine, top) if top else 0
     recommended = round_budget(within_share)
     budget = tokens if tokens is not None else max(1, recommended or top)
     buffers = sizes(budget)
@@ -219,16 +235,17 @@ def make_plan(layer: ModelLayer, *, ep: int, dp: int | None = None, tp: int = 1,
         problems.append(f"{budget} tokens per rank overflow the int32 range in: {'; '.join(bad)}; the largest safe "
                         f"budget is {max_int32}" + ("" if max_int32 else " (none fits: raise the EP size)"))
     if not fits_memory(budget):
-        need = weight_bytes + sum(buffers.values()) + reserve_bytes
+        need = weight_bytes + all_buffers(budget) + reserve_bytes
         problems.append(f"{budget} tokens per rank need {need / GiB:.2f} GiB (expert weights "
-                        f"{weight_bytes / GiB:.2f} + MegaMoE buffers {sum(buffers.values()) / GiB:.2f} + reserve "
+                        f"{weight_bytes / GiB:.2f} + MegaMoE buffers {all_buffers(budget) / GiB:.2f} + reserve "
                         f"{reserve_bytes / GiB:.2f}) but the engine gets {engine / GiB:.2f} GiB "
                         f"({utilization:.2f} of {gpu_bytes / GiB:.2f}); the largest budget that fits is {max_mem}"
                         + ("" if max_mem else " (none fits: raise the EP size or lower the reserve)"))
     return Plan(layer, spec, ep, dp, tp, budget, wire, transport, backend, gpu_bytes, utilization, reserve_bytes,
                 weight_bytes, sum(buffers.values()), buffers,
                 int32_quantities(spec, op_ep, gather * budget, wire, transport, backend), max_int32, max_mem, problems,
-                layout, fused, gather * budget, recommended, buffer_share)
+                layout, fused, gather * budget, recommended, buffer_share,
+                decode_tokens if decode_bytes(budget) else 0, decode_bytes(budget))
 
 
 def instance_size(layer: ModelLayer, layout: str, gpus: int, tokens: int, **kw) -> int | None:
@@ -266,6 +283,10 @@ def engine_flags(plan: Plan, engine: str, model: str = "<model>") -> str:
     """The command line that starts `engine` with this plan's layout and budget."""
     B, G, U, N = plan.tokens, plan.ep, plan.utilization, plan.gpus
     env = "ATOM_USE_FLYDSL_FUSED=1" if plan.fused else "ATOM_USE_FLYDSL=1"  # fused EP; else the experts step
+    if plan.fused and plan.decode_tokens not in (0, DECODE_TOKENS):  # the plugins' default needs no flag
+        env += f" ATOM_MOE_DECODE_TOKENS={plan.decode_tokens}"
+    elif plan.fused and not plan.decode_tokens and DECODE_TOKENS < plan.tokens:  # asked for one op
+        env += " ATOM_MOE_DECODE_TOKENS=0"
     if plan.spec.scheme is Scheme.A8W4:  # the plugins run MXFP4 layers as a16w4 unless told (docs/vllm.md)
         env += " ATOM_MOE_MXFP4_ACT=fp8"
     if engine == "vllm":
@@ -324,9 +345,14 @@ def format_plan(plan: Plan, engines: tuple[str, ...], model: str) -> str:
            f"{plan.engine_bytes / GiB:.2f} GiB for the engine):",
            _line(f"routed-expert weights ({L.moe_layers} layers x {plan.weight_bytes // L.moe_layers:,} B)",
                  plan.weight_bytes),
-           _line("MegaMoE buffers (once per rank, shared by all layers)", plan.buffer_bytes)]
+           _line("MegaMoE buffers (once per rank, shared by all layers)", plan.buffer_bytes + plan.decode_bytes)]
+    if plan.decode_tokens:
+        out.append(_line(f"  prefill op ({plan.tokens} tokens per rank)", plan.buffer_bytes))
     for name, b in sorted(plan.buffers.items(), key=lambda kv: -kv[1]):
-        out.append(_line(f"  {name}", b))
+        out.append(_line(f"  {'  ' if plan.decode_tokens else ''}{name}", b))
+    if plan.decode_tokens:
+        out.append(_line(f"  decode op ({plan.decode_tokens} tokens per rank; same weights, no copy)",
+                         plan.decode_bytes))
     out += [_line("reserve asked for (dense weights, activations, min KV)", plan.reserve_bytes),
             _line("left for the rest of the model and the KV cache", plan.left_bytes - plan.reserve_bytes),
             _line(f"leave free outside the engine ({1 - plan.utilization:.2f} of the GPU)",
@@ -377,7 +403,7 @@ def format_layouts(layer: ModelLayer, gpus: int, decode: int, prefill: int, **kw
                        f"{(plan.weight_bytes + plan.reserve_bytes) / GiB:.1f} GiB > the engine's "
                        f"{plan.engine_bytes / GiB:.1f} GiB per GPU")
             continue
-        out.append(f"{row} {plan.weight_bytes / GiB:>8.1f} {plan.buffer_bytes / GiB:>8.1f} "
+        out.append(f"{row} {plan.weight_bytes / GiB:>8.1f} {(plan.buffer_bytes + plan.decode_bytes) / GiB:>8.1f} "
                    f"{(plan.left_bytes - plan.reserve_bytes) / GiB:>8.1f} {plan.recommended:>12,} "
                    f"{plan.max_tokens:>9,} {shown[0]:>7} {shown[1]:>8}")
     out.append("  (tp-ep: tokens per engine, every rank sees all of them; the others: per DP rank. "
@@ -409,6 +435,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per rank a decode instance must hold (its batch)")
     parser.add_argument("--prefill-tokens", type=positive_int, default=8192,
                         help="tokens per rank a prefill instance must hold (its chunk)")
+    parser.add_argument("--decode-capacity", type=nonnegative_int, default=DECODE_TOKENS,
+                        help="fused path: tokens per rank of the decode MegaMoE built beside the budget-sized one "
+                             "(the plugins' ATOM_MOE_DECODE_TOKENS); 0: one MegaMoE")
     parser.add_argument("--gpu-memory-gib", type=positive_float, default=None,
                         help="memory per GPU in GiB; none: this machine's GPU (required without one)")
     parser.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
@@ -455,7 +484,7 @@ def run(args: argparse.Namespace) -> int:
             fused = {"dp-ep": ep > 1, "ep": False}.get(layout)
         kw = dict(gpu_bytes=gpu_bytes, utilization=args.gpu_memory_utilization,
                   reserve_bytes=int(args.reserve_gib * GiB), experts_backend=args.experts_backend,
-                  buffer_share=args.buffer_share)
+                  buffer_share=args.buffer_share, decode_tokens=args.decode_capacity)
         plan = make_plan(layer, ep=ep, dp=dp, tp=tp, tokens=args.tokens, wire=args.wire, fused=fused,
                          redundant_experts=args.redundant_experts, **kw)
         summary = format_layouts(layer, gpus, args.decode_tokens, args.prefill_tokens, **kw)

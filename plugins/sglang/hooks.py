@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...weights import PreparedWeights
-from ..common import FLAG_FUSED, Flags, Mode, warn_once
+from ..common import FLAG_FUSED, Flags, Mode, build_fused_op, decode_capacity, warn_once
 from .weights import LayerPlan, build_weights, eplb_active, expose_for_eplb, plan_layer
 
 # the package's logger, by name: the package imports this module, so importing it back would be a cycle
@@ -32,7 +32,7 @@ class LayerState:
 
     plan: LayerPlan
     weights: PreparedWeights
-    op: object | None = None  # MegaMoE (fused)
+    op: object | None = None  # MegaMoE, or a decode + prefill MegaMoEInstances (fused)
     workspace: object | None = field(default=None, repr=False)  # fused_experts workspace (triton backend)
     handle: str = ""  # atom_moe.ops handle: the custom op's bound runtime
 
@@ -73,19 +73,22 @@ def process_weights_after_loading(orig, method, layer) -> None:
 
 
 def _build_runtime(state: LayerState, device: torch.device) -> None:
-    """Allocate now (before SGLang sizes its KV pool) everything a forward uses; nothing grows later."""
+    """Allocate now (before SGLang sizes its KV pool) everything a forward uses; nothing grows later.
+
+    Fused mode: a decode MegaMoE beside the planned one when the budget is larger than the decode
+    capacity (ATOM_MOE_DECODE_TOKENS), picked per step by SGLang's DP-wide token counts.
+    """
     plan = state.plan
-    key = (plan.spec, plan.fused, plan.backend, plan.tokens, device)
+    decode = _decode_tokens(plan)
+    key = (plan.spec, plan.fused, plan.backend, plan.tokens, decode, device)
     if key not in _shared:
         if plan.fused:
             from sglang.srt.distributed.parallel_state import get_moe_ep_group
 
-            from ...ep import MegaMoE
-
             ep = get_moe_ep_group()
-            _shared[key] = MegaMoE(plan.spec, ep.device_group, cpu_group=ep.cpu_group,
-                                   max_tokens_per_rank=plan.tokens, transport=plan.transport,
-                                   experts_backend=plan.backend, device=device)
+            _shared[key] = build_fused_op(plan.spec, ep.device_group, ep.cpu_group, tokens=plan.tokens,
+                                          decode_tokens=decode, transport=plan.transport, backend=plan.backend,
+                                          device=device)
         elif plan.backend == "triton":
             from ...experts import allocate_workspace
 
@@ -96,10 +99,49 @@ def _build_runtime(state: LayerState, device: torch.device) -> None:
 
     if plan.fused:
         state.op = _shared[key]
-        state.handle = ops.bind_mega_moe(state.op, state.weights)
+        state.handle = ops.bind_mega_moe(state.op, state.weights,
+                                         agreed_tokens=dp_max_tokens if decode is not None else None)
     else:
         state.workspace = _shared[key]
         state.handle = ops.bind_experts(state.weights, plan.spec, backend=plan.backend, workspace=state.workspace)
+
+
+def _decode_tokens(plan: LayerPlan) -> int | None:
+    """The decode MegaMoE's capacity per rank for this layer, or None (one MegaMoE serves every step).
+
+    When SGLang lets each DP rank pick its own decode graph (require_mlp_tp_gather() False, e.g.
+    --moe-dense-tp-size 1 with --enable-dp-lm-head), ranks may replay graphs of different sizes in
+    one step, and no host code runs in a replay to compare picks: then the decode op is made large
+    enough for every decode graph, so every graph runs the same op.
+    """
+    decode = decode_capacity(_flags, plan.tokens) if plan.fused else None
+    if decode is None:
+        return None
+    from sglang.srt.utils import require_mlp_tp_gather
+
+    if require_mlp_tp_gather():
+        return decode  # every DP rank runs the graph of the largest rank's batch
+    from .weights import server_args
+
+    args = server_args()
+    per_req = (getattr(args, "speculative_num_draft_tokens", None) or 1) if getattr(
+        args, "speculative_algorithm", None) else 1  # tokens per request in a decode graph
+    cg = getattr(args, "cuda_graph_config", None)
+    largest = getattr(getattr(cg, "decode", None), "max_bs", None) or 0
+    decode = max(decode, int(largest) * per_req)
+    return decode if decode < plan.tokens else None
+
+
+def dp_max_tokens() -> int | None:
+    """The most tokens any DP rank brings to this forward, as SGLang told every rank (None when unset).
+
+    SGLang gathers every DP rank's count before each batch (`prepare_mlp_sync_batch`) and, for
+    graph capture, sets the graph's size for every rank; a host list, so no device sync.
+    """
+    from sglang.srt.layers.dp_attention import get_dp_global_num_tokens
+
+    counts = get_dp_global_num_tokens()
+    return max(counts) if counts else None
 
 
 def _routing(topk_output) -> tuple[torch.Tensor, torch.Tensor]:

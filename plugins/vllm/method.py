@@ -35,8 +35,8 @@ from ...experts import choose_backend
 from ...layouts.gate_up import GateUpLayout
 from ...spec import Activation, ActivationKind, MoESpec, Scheme, SpecError
 from ...weights import PreparedWeights, prepare_stacked
-from ..common import (FLAG_FUSED, Flags, LimitError, Mode, check_start_limits, fused_transport, layer_spec,
-                      local_experts_from_map, tokens_per_rank, warn_once)
+from ..common import (FLAG_FUSED, Flags, LimitError, Mode, build_fused_op, check_start_limits, decode_capacity,
+                      fused_transport, layer_spec, local_experts_from_map, tokens_per_rank, warn_once)
 from ..eplb import eplb_problem, slot_views
 
 # the package's logger, by name: the package imports this module, so importing it back would be a cycle
@@ -309,30 +309,35 @@ class AtomMoEMethod(FusedMoEMethodBase):
         self._build_runtime(device)
 
     def _build_runtime(self, device: torch.device) -> None:
-        """Allocate now (before vLLM's profiling run) everything a forward will use; nothing grows later."""
-        spec, key = self.plan.spec, (self.plan.spec, self.plan.fused, self.plan.backend, self.plan.tokens, device)
-        if key not in _shared:
-            if self.plan.fused:
-                from ...ep import MegaMoE
+        """Allocate now (before vLLM's profiling run) everything a forward will use; nothing grows later.
 
+        Fused mode: a decode MegaMoE beside the planned one when the budget is larger than the
+        decode capacity (ATOM_MOE_DECODE_TOKENS), picked per step by vLLM's DP-wide token count.
+        """
+        plan = self.plan
+        decode = decode_capacity(_flags, plan.tokens) if plan.fused else None
+        spec, key = plan.spec, (plan.spec, plan.fused, plan.backend, plan.tokens, decode, device)
+        if key not in _shared:
+            if plan.fused:
                 ep = get_ep_group()
-                _shared[key] = MegaMoE(spec, ep.device_group, cpu_group=ep.cpu_group,
-                                       max_tokens_per_rank=self.plan.tokens, transport=self.plan.transport,
-                                       experts_backend=self.plan.backend, device=device)
-            elif self.plan.backend == "triton":
+                _shared[key] = build_fused_op(spec, ep.device_group, ep.cpu_group, tokens=plan.tokens,
+                                              decode_tokens=decode, transport=plan.transport, backend=plan.backend,
+                                              device=device)
+            elif plan.backend == "triton":
                 from ...experts import allocate_workspace
 
-                _shared[key] = allocate_workspace(spec, self.plan.tokens, device)
+                _shared[key] = allocate_workspace(spec, plan.tokens, device)
             else:
                 _shared[key] = None  # experts_torch needs no workspace
         from ... import ops
 
-        if self.plan.fused:
+        if plan.fused:
             self._op = _shared[key]
-            self._handle = ops.bind_mega_moe(self._op, self.weights)
+            self._handle = ops.bind_mega_moe(self._op, self.weights,
+                                             agreed_tokens=dp_max_tokens if decode is not None else None)
         else:
             self._workspace = _shared[key]
-            self._handle = ops.bind_experts(self.weights, spec, backend=self.plan.backend, workspace=self._workspace)
+            self._handle = ops.bind_experts(self.weights, spec, backend=plan.backend, workspace=self._workspace)
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
         """This rank's MoE output for x (vLLM runs shared experts and the TP/EP all-reduce itself).
@@ -344,6 +349,21 @@ class AtomMoEMethod(FusedMoEMethodBase):
         if self.plan.fused:
             return torch.ops.atom_moe.mega_moe(x, topk_weights, topk_ids, self._handle)
         return torch.ops.atom_moe.experts(x, topk_weights, topk_ids, self._handle)
+
+
+def dp_max_tokens() -> int | None:
+    """The most tokens any DP rank brings to this forward, as vLLM told every rank (None outside a DP forward).
+
+    vLLM all-reduces the per-rank counts before each step (`coordinate_batch_across_dp`) and pads
+    every rank to the same size when the step runs in a CUDA graph, so this value is the same on
+    every rank, in graphs and out (a host tensor: no device sync).
+    """
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    dp = get_forward_context().dp_metadata
+    return None if dp is None else int(dp.num_tokens_across_dp_cpu.max())
 
 
 __all__ = ["AtomMoEMethod", "AtomRoutedExperts", "LayerPlan", "LimitError", "install", "plan_layer"]
