@@ -255,3 +255,56 @@ def test_a8w4_flushed_blocks(seed, block_n1):
     got = fused_experts(x, w, ids, p, spec, config=cfg)
     assert torch.isfinite(got).all() and rel_err(got, twin) <= 1e-2
     assert rel_err(fused_experts(x, w, ids, dataclasses.replace(p, mx_flush=False), spec, config=cfg), twin) > 0.1
+
+
+@pytest.mark.parametrize("act", ["fp8", "bf16"])
+def test_plugin_mxfp4_path_equals_fused_experts_bit_for_bit(seed, act):
+    """ATOM_MOE_MXFP4_ACT on the GPU: the vLLM plugin's path for a gpt-oss layer equals fused_experts, bit for bit.
+
+    vLLM cannot be installed on the GPU machine, so this runs the plugin's own pieces without it: the
+    flag parsed by plugins.common, vLLM's parameter layout (w13_weight [E, 2I, H/2] uint8 rows
+    interleaved, w13_weight_scale, biases) through prepare_stacked as
+    AtomMoEMethod.process_weights_after_loading calls it, then the custom op its apply calls, with a
+    Triton workspace. The other side reads the same checkpoint with atom_moe.checkpoint (not the
+    plugin's code) and calls fused_experts. The engine suites check the method inside vLLM on the CPU.
+    """
+    from dataclasses import replace
+
+    from engine_common import a8w4_spec, assert_bitwise, hf_checkpoint
+
+    from atom_moe import ops
+    from atom_moe.checkpoint.gpt_oss import prepare_gpt_oss
+    from atom_moe.experts import allocate_workspace, fused_experts
+    from atom_moe.layouts.gate_up import GateUpLayout
+    from atom_moe.plugins.common import parse_flags
+    from atom_moe.spec import Scheme
+    from atom_moe.weights import prepare_stacked
+
+    E, H, k, T = 8, 512, 4, 96
+    gen = torch.Generator().manual_seed(seed)
+    tensors, _ = hf_checkpoint("mxfp4", gen, E, H)
+    scheme = parse_flags({"ATOM_USE_FLYDSL": "1", "ATOM_MOE_MXFP4_ACT": act}).mxfp4_scheme
+    assert scheme is (Scheme.A8W4 if act == "fp8" else Scheme.A16W4)
+    spec = replace(a8w4_spec(E, H, k), scheme=scheme)
+    two_i = tensors["gate_up_proj_blocks"].shape[1]
+    vllm_params = dict(w13=tensors["gate_up_proj_blocks"].reshape(E, two_i, H // 2),
+                       w2=tensors["down_proj_blocks"].reshape(E, H, -1),
+                       w13_scale=tensors["gate_up_proj_scales"], w2_scale=tensors["down_proj_scales"],
+                       w13_bias=tensors["gate_up_proj_bias"], w2_bias=tensors["down_proj_bias"])
+    cuda = {n: t.cuda() for n, t in vllm_params.items()}
+    plugin_weights = prepare_stacked(spec, cuda.pop("w13"), cuda.pop("w2"), layout=GateUpLayout.INTERLEAVED,
+                                     expert_ids=tuple(range(E)), device=torch.device("cuda"), **cuda)
+    handle = ops.bind_experts(plugin_weights, spec, backend="triton",
+                              workspace=allocate_workspace(spec, T, "cuda"))
+    ours = prepare_gpt_oss(spec, {f"experts.{n}": t for n, t in tensors.items()}, "experts", device="cuda")
+    x = (torch.randn(T, H, generator=gen) * 2).bfloat16().cuda()
+    logits = torch.randn(T, E, generator=gen).cuda()
+    w, ids = torch.topk(logits.softmax(-1), k)
+    try:
+        got = torch.ops.atom_moe.experts(x, w, ids, handle)
+        want = fused_experts(x, w, ids, ours, spec, workspace=allocate_workspace(spec, T, "cuda"))
+        torch.cuda.synchronize()
+        assert torch.isfinite(want).all() and want.abs().max() > 0
+        assert_bitwise(got.cpu(), want.cpu())
+    finally:
+        ops.unbind(handle)
