@@ -149,10 +149,10 @@ def test_graphs_captured_for_decode_sizes_replay_the_decode_op(seed):
         with torch.cuda.graph(graph):
             out_s = pair.forward(x_s, w_s, ids_s)
         assert ran[-1] == want, (T, ran)
+        steps = [random_tokens(spec, T, generator=g, device="cuda") for _ in range(3)]  # drawn before: it syncs
         torch.cuda.set_sync_debug_mode("error")
         try:
-            for _ in range(3):
-                x, w, ids = random_tokens(spec, T, generator=g, device="cuda")
+            for x, w, ids in steps:
                 x_s.copy_(x), w_s.copy_(w), ids_s.copy_(ids)
                 graph.replay()
         finally:
