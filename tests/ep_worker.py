@@ -386,7 +386,7 @@ def scenario_shared(checks: Checks, rank: int, world: int, seed: int, transport:
     rank's own replica; the same batch with the shared slot under-weighted 0.4x must fail the check; a
     rebalance that takes a rank's shared replica away is refused on every rank.
     """
-    from shared_common import shared_weight_variants, split_reference, split_reference_weights, with_shared_weight
+    from shared_common import shared_weight_variants, split_reference, with_shared_weight
     backend = "triton" if transport == "symm" else "torch"
     cases = SHARED_CASES if transport == "torch" else SHARED_CASES[:1]
     for si, (scheme, wire, S) in enumerate(cases):
@@ -395,7 +395,7 @@ def scenario_shared(checks: Checks, rank: int, world: int, seed: int, transport:
         spec = spec_full.for_rank(rank, world)  # the shared experts on every rank: P = E + S * world slots
         raw = random_layer(spec_full, generator=torch.Generator().manual_seed(seed + 100 * si))
         mine = prepare_stacked(spec, raw.w13, raw.w2, layout="separated")
-        refs = split_reference_weights(spec_full, raw.w13, raw.w2)
+        full = ReferenceWeights.from_prepared(prepare_stacked(spec_full, raw.w13, raw.w2, layout="separated"))
         op = MegaMoE(spec, None, max_tokens_per_rank=SHARED_C, transport=transport, wire=wire,
                      experts_backend=backend, device="cpu")  # one rank too: a 1-rank all-to-all over gloo
         tag = f"shared {transport} {scheme}/{wire} S={S}"
@@ -409,7 +409,7 @@ def scenario_shared(checks: Checks, rank: int, world: int, seed: int, transport:
         act_quant = spec.scheme if spec.scheme.fp8_activations else None
         for name, sw in shared_weight_variants(T, K, w, g).items():
             wv = with_shared_weight(w, spec_full, sw)
-            ref = split_reference(spec_full, refs, x, wv, ids, act_quant)
+            ref = split_reference(full, spec.activation, x, wv, ids, E, S, act_quant)
             compare_elements(checks, f"{tag} weight {name}", op(x, wv, ids, mine), ref, x)
             if transport == "torch" and world > 1:  # (one rank: no slot tables, every expert is local)
                 slots = op.buffers["slot_ids"][:T, K:]
@@ -420,9 +420,7 @@ def scenario_shared(checks: Checks, rank: int, world: int, seed: int, transport:
             checks.record(f"{tag} weight {name} 0.4x shared weight caught", caught, rel=err / ref.norm().item())
         for wc in op.warmup(mine, seed=seed):  # the engines' dummy batches over E + S ids, sentinels included
             compare_elements(checks, f"{tag} warmup {wc.name}", wc.out,
-                             reference(spec_full, ReferenceWeights.from_prepared(prepare_stacked(
-                                 spec_full, raw.w13, raw.w2, layout="separated")), wc.x, wc.topk_weights,
-                                 wc.topk_ids, wire), wc.x)
+                             reference(spec_full, full, wc.x, wc.topk_weights, wc.topk_ids, wire), wc.x)
         if transport == "torch" and world > 1:
             bad = list(spec.placement.physical_experts)
             bad[per - 1], bad[per] = bad[per], bad[per - 1]  # rank 0's shared replica and rank 1's first expert swap

@@ -3,9 +3,9 @@ shared-slot weights.
 
 A layer with S fused shared experts has num_experts = R + S (the shared ones last) and
 top_k = k + S (the shared slots last, as vLLM and SGLang append them). The reference here
-never sees that layout: it runs the R routed experts through `reference_moe` on a routed-only
-layer with the first k slots, and each shared expert as a dense MLP (a one-expert layer)
-weighted by its own slot's weight. A routing sort or padding pass that drops the shared
+runs the R routed experts through `reference_moe` on the first k slots only, and each shared
+expert as a dense MLP over every token,
+weighted by its own slot's weight, never both in one pass. A routing sort or padding pass that drops the shared
 ids, or a wrong shared weight, shows up against it.
 """
 
@@ -15,7 +15,6 @@ import torch
 
 from atom_moe.reference import ReferenceWeights, reference_moe
 from atom_moe.spec import MoESpec
-from atom_moe.weights import prepare_stacked
 
 ROUTED_SCALING = 2.5  # DeepSeek-V3's routed_scaling_factor
 
@@ -40,35 +39,23 @@ def with_shared_weight(w: torch.Tensor, spec: MoESpec, shared_w: torch.Tensor) -
     return out.contiguous()
 
 
-def split_reference_weights(spec: MoESpec, w13: torch.Tensor, w2: torch.Tensor):
-    """(routed-only ReferenceWeights, one ReferenceWeights per shared expert) of a layer's stacked bf16 weights."""
-    S, R = spec.shared_experts, spec.num_experts - spec.shared_experts
-    routed = MoESpec.create(hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size, num_experts=R,
-                            top_k=spec.top_k - S, scheme=spec.scheme, activation=spec.activation)
-    one = MoESpec.create(hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size, num_experts=1,
-                         top_k=1, scheme=spec.scheme, activation=spec.activation)
-    routed_ref = ReferenceWeights.from_prepared(prepare_stacked(routed, w13[:R], w2[:R], layout="separated"))
-    shared_refs = [ReferenceWeights.from_prepared(prepare_stacked(one, w13[R + s:R + s + 1], w2[R + s:R + s + 1],
-                                                                  layout="separated")) for s in range(S)]
-    return routed_ref, shared_refs
-
-
-def split_reference(spec: MoESpec, refs, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
-                    act_quant=None) -> torch.Tensor:
+def split_reference(ref: ReferenceWeights, activation, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
+                    num_routed: int, shared: int, act_quant=None) -> torch.Tensor:
     """fp32 [T, H]: the routed experts on the first k slots, plus each shared expert alone times its slot's weight.
 
-    A shared slot counts only where it holds its shared id (a sentinel there contributes nothing).
+    `ref` holds every expert (the shared ones last); each shared expert runs as a dense MLP over
+    all tokens on its own, so the routed pass never sees a shared id. A shared slot counts only
+    where it holds its shared id (a sentinel there contributes nothing).
     """
-    routed_ref, shared_refs = refs
-    S, R = spec.shared_experts, spec.num_experts - spec.shared_experts
-    k = spec.top_k - S
-    out = reference_moe(x, w[:, :k].contiguous(), ids[:, :k].contiguous(), routed_ref, spec.activation,
-                        act_quant=act_quant)
-    for s, ref in enumerate(shared_refs):
-        col = ids[:, k + s:k + s + 1]
-        here = torch.where(col == R + s, 0, -1)  # the one-expert layer's id 0, or nothing
-        out += reference_moe(x, w[:, k + s:k + s + 1].contiguous(), here.contiguous(), ref, spec.activation,
-                             act_quant=act_quant)
+    k = ids.shape[1] - shared
+    ids = ids.long()
+    out = reference_moe(x, w[:, :k].contiguous(), ids[:, :k].contiguous(), ref, activation,
+                        experts=range(num_routed), act_quant=act_quant)
+    for s in range(shared):
+        e = num_routed + s
+        col = torch.where(ids[:, k + s:k + s + 1] == e, e, -1)
+        out += reference_moe(x, w[:, k + s:k + s + 1].contiguous(), col.contiguous(), ref, activation,
+                             experts=(e,), act_quant=act_quant)
     return out
 
 

@@ -11,13 +11,13 @@ import os
 import pytest
 import torch
 
-from shared_common import (ROUTED_SCALING, rel_err, shared_weight_variants, split_reference,
-                           split_reference_weights, with_shared_weight)
+from shared_common import ROUTED_SCALING, rel_err, shared_weight_variants, split_reference, with_shared_weight
 
 from test_ep_multiproc import assert_all_passed, run_ranks
 
 from atom_moe.ep import MegaMoE, MegaMoEError
 from atom_moe.placement import ExpertPlacement, home_tables
+from atom_moe.reference import ReferenceWeights
 from atom_moe.spec import MoESpec, Routing, SpecError, shared_physical_map
 from atom_moe.tools.synthetic import random_layer, random_tokens
 from atom_moe.weights import prepare_stacked
@@ -28,11 +28,11 @@ ELEM = 3e-2  # every element within this fraction of the largest |ref|
 
 
 def layer(scheme: str, shared: int, k: int, seed: int, **kw):
-    """(spec, raw weights, split reference weights) of a random layer with R routed and `shared` shared experts."""
+    """(spec, raw weights, reference weights) of a random layer with R routed and `shared` shared experts."""
     spec = MoESpec.create(hidden_size=H, intermediate_size=I, num_experts=R + shared, top_k=k + shared,
                           scheme=scheme, shared_experts=shared, max_tokens_per_rank=256, **kw)
     raw = random_layer(spec, generator=torch.Generator().manual_seed(seed))
-    return spec, raw, split_reference_weights(spec, raw.w13, raw.w2)
+    return spec, raw, ReferenceWeights.from_prepared(prepare_stacked(spec, raw.w13, raw.w2, layout="separated"))
 
 
 def assert_matches(out, ref, what: str) -> None:
@@ -119,7 +119,7 @@ def test_experts_step_with_shared_slots(seed, case):
 
         def run(x, w, ids, p, spec):
             return experts_torch(x, w, ids, p, spec)
-    spec, raw, refs = layer(scheme, S, k, seed)
+    spec, raw, ref_w = layer(scheme, S, k, seed)
     prepared = prepare_stacked(spec, raw.w13, raw.w2, layout="separated")
     gen = torch.Generator().manual_seed(seed + 1)
     x, w, ids = random_tokens(spec, T, generator=gen)
@@ -128,7 +128,7 @@ def test_experts_step_with_shared_slots(seed, case):
     act_quant = spec.scheme if spec.scheme.fp8_activations else None
     for name, sw in shared_weight_variants(T, k, w, gen).items():
         wv = with_shared_weight(w, spec, sw)
-        ref = split_reference(spec, refs, x, wv, ids, act_quant)
+        ref = split_reference(ref_w, spec.activation, x, wv, ids, R, spec.shared_experts, act_quant)
         assert_matches(run(x, wv, ids, prepared, spec), ref, f"{backend} {scheme} shared weight {name}")
         planted = with_shared_weight(w, spec, 0.4 * sw)
         assert_caught(run(x, planted, ids, prepared, spec), ref, f"{backend} {scheme} {name}")
@@ -137,14 +137,14 @@ def test_experts_step_with_shared_slots(seed, case):
 @pytest.mark.parametrize("scheme", ["bf16", "fp8"])
 def test_local_op_with_shared_slots(seed, scheme):
     """MegaMoE at EP size 1 (local transport): E + S experts, k + S slots, the engine's scaled weights."""
-    spec, raw, refs = layer(scheme, 1, 3, seed)
+    spec, raw, ref_w = layer(scheme, 1, 3, seed)
     prepared = prepare_stacked(spec, raw.w13, raw.w2, layout="separated")
     gen = torch.Generator().manual_seed(seed + 2)
     with MegaMoE(spec, None, max_tokens_per_rank=256, experts_backend="torch", device="cpu") as op:
         x, w, ids = random_tokens(spec, 256, generator=gen)
         act_quant = spec.scheme if spec.scheme.fp8_activations else None
         wv = with_shared_weight(w * (1 / ROUTED_SCALING), spec, torch.full((256,), 1 / ROUTED_SCALING))
-        ref = split_reference(spec, refs, x, wv, ids, act_quant)
+        ref = split_reference(ref_w, spec.activation, x, wv, ids, R, spec.shared_experts, act_quant)
         assert_matches(op(x, wv, ids, prepared), ref, f"local op {scheme}")
         assert_caught(op(x, with_shared_weight(wv, spec, torch.full((256,), 0.4 / ROUTED_SCALING)), ids, prepared),
                       ref, f"local op {scheme}")
