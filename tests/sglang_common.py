@@ -171,7 +171,8 @@ def shared_topk(kind: str, x: torch.Tensor, logits: torch.Tensor, rsf: float | N
     """(topk_weights fp32, topk_ids int32) with `shared` fused shared columns, from SGLang's own routing code.
 
     biased: DeepSeek-V3's biased grouped top-k (shared weight 1/rsf, or 1.0 without a factor);
-    unnormalized: grouped softmax top-k without renormalization (shared weight = routed sum / rsf, per token).
+    grouped: grouped softmax top-k, renormalized (shared weight routed sum / rsf before the renormalization,
+    which then divides it by that sum plus SGLang's epsilon: 1/rsf up to rounding, per token).
     """
     from sglang.srt.layers.moe import topk as sg
 
@@ -180,7 +181,7 @@ def shared_topk(kind: str, x: torch.Tensor, logits: torch.Tensor, rsf: float | N
         return _eager(sg.biased_grouped_topk_impl)(x, logits, bias, K + shared, True, num_expert_group=4,
                                                    topk_group=2, num_fused_shared_experts=shared,
                                                    routed_scaling_factor=rsf)
-    return _eager(sg.grouped_topk_gpu)(x, logits, K + shared, False, num_expert_group=4, topk_group=2,
+    return _eager(sg.grouped_topk_gpu)(x, logits, K + shared, True, num_expert_group=4, topk_group=2,
                                        num_fused_shared_experts=shared, routed_scaling_factor=rsf)
 
 

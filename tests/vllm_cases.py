@@ -437,24 +437,33 @@ def shared_runner(scheme: str, cfg: VllmConfig, monkeypatch, scale_on_output: bo
     """A DeepSeek-style layer with vLLM's shared-expert fusion (ROCm AITER's, here on the CPU).
 
     vLLM fuses only where AITER asks for it; its one CUDA-only step at construction is AITER's
-    routing buffer, which the bias router below does not use, so it is skipped here. The router is
-    vLLM's FusedTopKBiasRouter: it appends the shared id E to every token with weight 1, or
-    1/routed_scaling_factor when the runner scales the output (apply_routed_scale_to_output).
+    routing buffer, which the bias router (shared_routing) does not use, so it is skipped here.
     """
     import vllm.model_executor.layers.fused_moe.expert_map_manager as emm
-    import vllm.model_executor.layers.fused_moe.router.fused_topk_bias_router as bias_router
 
     monkeypatch.setattr(emm, "init_aiter_topK_meta_data", lambda **kw: None)
-    monkeypatch.setattr(bias_router, "vllm_topk_sigmoid", _torch_topk_sigmoid)
     return build(scheme, cfg, n_shared_experts=1, fuse_shared_experts=True, scoring_func="sigmoid",
                  e_score_correction_bias=torch.zeros(E), routed_scaling_factor=RSF,
                  apply_routed_scale_to_output=scale_on_output)
 
 
-def shared_routing(runner, x, logits):
-    """(topk_weights, topk_ids) from the layer's own vLLM router: K routed slots, then the shared id E."""
-    w, ids = runner.router._compute_routing(x, logits, torch.int32)
-    assert type(runner.router).__name__ == "FusedTopKBiasRouter" and (ids[:, -1] == E).all()
+def shared_routing(x, logits, scale_on_output: bool, monkeypatch):
+    """(topk_weights, topk_ids) from vLLM's FusedTopKBiasRouter: K routed slots, then the shared id E.
+
+    The router FusedMoEFactory builds on a GPU for this layer (on the CPU it builds CPURouter, which
+    fuses no shared expert), with the factory's arguments: the routed weights scaled by the factor,
+    the shared slot 1; or, when the runner scales the output, routed unscaled and the shared slot
+    1/factor. Its CUDA top-k is replaced by a torch one; appending the shared slot is vLLM's code.
+    """
+    import vllm.model_executor.layers.fused_moe.router.fused_topk_bias_router as bias_router
+
+    monkeypatch.setattr(bias_router, "vllm_topk_sigmoid", _torch_topk_sigmoid)
+    router = bias_router.FusedTopKBiasRouter(
+        top_k=K, global_num_experts=E, e_score_correction_bias=torch.zeros(E), renormalize=True,
+        routed_scaling_factor=1.0 if scale_on_output else RSF, scoring_func="sigmoid", num_fused_shared_experts=1,
+        shared_expert_weight=1 / RSF if scale_on_output else 1.0)
+    w, ids = router._compute_routing(x, logits, torch.int32)
+    assert (ids[:, -1] == E).all() and ids.shape[1] == K + 1
     return w.contiguous(), ids.contiguous()
 
 
@@ -485,7 +494,7 @@ def test_fused_shared_expert_runs_as_a_routed_one(configs, seed, monkeypatch, sc
     assert experts.atom_moe_weights.num_local_experts == E + 1
     x = torch.randn(200, H, generator=gen).bfloat16()
     logits = torch.randn(200, E, generator=gen)
-    w, ids = shared_routing(runner, x, logits)
+    w, ids = shared_routing(x, logits, scale_on_output, monkeypatch)
     assert torch.equal(w[:, -1], torch.full((200,), 1 / RSF if scale_on_output else 1.0))
     want = expected_shared(scheme, x, w, ids, ref)
     assert_matches(method.apply(experts, x, w, ids), want)
