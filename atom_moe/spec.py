@@ -192,10 +192,11 @@ class MoESpec:
         r = self.routing
         routed, routed_k = self.num_experts - S, self.top_k - S  # grouped top-k picks among routed experts only
         if r.n_group > 1 and routed % r.n_group:
-            raise SpecError(f"grouped top-k needs routed experts % n_group == 0, got {routed} % {r.n_group}")
+            raise SpecError(f"grouped top-k needs num_experts % n_group == 0, got {routed} % {r.n_group}"
+                            + (f" (the routed experts; {S} shared excluded)" if S else ""))
         if r.n_group > 1 and routed_k > (routed // r.n_group) * r.topk_group:
             raise SpecError(
-                f"top_k={routed_k} (routed) exceeds the experts in the {r.topk_group} kept groups "
+                f"top_k={routed_k}{' (routed)' if S else ''} exceeds the experts in the {r.topk_group} kept groups "
                 f"({routed // r.n_group} each)"
             )
         if r.n_group > 1 and routed // r.n_group < 2:
