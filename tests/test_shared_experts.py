@@ -119,8 +119,9 @@ def test_experts_step_with_shared_slots(seed, case):
 
         def run(x, w, ids, p, spec):
             return experts_torch(x, w, ids, p, spec)
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"  # on a GPU: the real kernels
     spec, raw, ref_w = layer(scheme, S, k, seed)
-    prepared = prepare_stacked(spec, raw.w13, raw.w2, layout="separated")
+    prepared = prepare_stacked(spec, raw.w13, raw.w2, layout="separated", device=dev)
     gen = torch.Generator().manual_seed(seed + 1)
     x, w, ids = random_tokens(spec, T, generator=gen)
     assert (ids[:, k:] == torch.arange(R, R + S)).all() and (ids[:, :k] < R).all()
@@ -129,9 +130,11 @@ def test_experts_step_with_shared_slots(seed, case):
     for name, sw in shared_weight_variants(T, k, w, gen).items():
         wv = with_shared_weight(w, spec, sw)
         ref = split_reference(ref_w, spec.activation, x, wv, ids, R, spec.shared_experts, act_quant)
-        assert_matches(run(x, wv, ids, prepared, spec), ref, f"{backend} {scheme} shared weight {name}")
+        out = run(x.to(dev), wv.to(dev), ids.to(dev), prepared, spec).cpu()
+        assert_matches(out, ref, f"{backend} {scheme} shared weight {name}")
         planted = with_shared_weight(w, spec, 0.4 * sw)
-        assert_caught(run(x, planted, ids, prepared, spec), ref, f"{backend} {scheme} {name}")
+        assert_caught(run(x.to(dev), planted.to(dev), ids.to(dev), prepared, spec).cpu(), ref,
+                      f"{backend} {scheme} {name}")
 
 
 @pytest.mark.parametrize("scheme", ["bf16", "fp8"])
