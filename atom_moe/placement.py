@@ -127,6 +127,23 @@ def physical_ids(topk_ids: torch.Tensor, replica_slots: torch.Tensor, replica_co
     return dst
 
 
+def home_tables(placement: ExpertPlacement, rank: int, world_size: int,
+                home: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logical_to_physical, replica_count) as rank `rank` routes: each expert in `home` takes its replica here.
+
+    Fused shared experts have a replica on every rank; a token's shared slot then stays on
+    its own rank instead of crossing the wire. Experts without a slot here keep every replica.
+    """
+    table, count = placement.logical_to_physical.clone(), placement.replica_count.clone()
+    per = placement.num_slots // world_size
+    for e in home:
+        mine = [s for s in table[e, :int(count[e])].tolist() if s // per == rank]
+        if mine:
+            table[e] = -1
+            table[e, 0], count[e] = mine[0], 1
+    return table, count
+
+
 def slot_moves(old: Sequence[int], new: Sequence[int], world_size: int) -> list[tuple[int, int]]:
     """(source slot under `old`, destination slot under `new`) for every slot whose expert changes.
 

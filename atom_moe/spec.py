@@ -164,6 +164,9 @@ class MoESpec:
     placement: Placement = field(default_factory=Placement)
     max_tokens_per_rank: int = 8192
     has_bias: bool = False
+    # fused shared experts: the last `shared_experts` of num_experts are shared experts, and every token's
+    # last `shared_experts` top-k slots name them (the engines append them so, with their own weights)
+    shared_experts: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "scheme", Scheme.parse(self.scheme))
@@ -173,6 +176,10 @@ class MoESpec:
                 raise SpecError(f"{name} must be a positive int, got {value!r}")
         if self.top_k > self.num_experts:
             raise SpecError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}; top_k must be <= num_experts")
+        S = self.shared_experts
+        if not isinstance(S, int) or isinstance(S, bool) or not 0 <= S < min(self.num_experts, self.top_k):
+            raise SpecError(f"shared_experts must be an int in [0, min(num_experts, top_k)) = [0, "
+                            f"{min(self.num_experts, self.top_k)}) (top_k counts the shared slots), got {S!r}")
         if self.scheme.is_mxfp4:
             for name in ("hidden_size", "intermediate_size"):
                 value = getattr(self, name)
@@ -183,16 +190,21 @@ class MoESpec:
                     )
         # fp8 128-blocks deliberately accept any size: partial blocks are handled.
         r = self.routing
-        if r.n_group > 1 and self.num_experts % r.n_group:
-            raise SpecError(f"grouped top-k needs num_experts % n_group == 0, got {self.num_experts} % {r.n_group}")
-        if r.n_group > 1 and self.top_k > (self.num_experts // r.n_group) * r.topk_group:
+        routed, routed_k = self.num_experts - S, self.top_k - S  # grouped top-k picks among routed experts only
+        if r.n_group > 1 and routed % r.n_group:
+            raise SpecError(f"grouped top-k needs num_experts % n_group == 0, got {routed} % {r.n_group}"
+                            + (f" (the routed experts; {S} shared excluded)" if S else ""))
+        if r.n_group > 1 and routed_k > (routed // r.n_group) * r.topk_group:
             raise SpecError(
-                f"top_k={self.top_k} exceeds the experts in the {r.topk_group} kept groups "
-                f"({self.num_experts // r.n_group} each)"
+                f"top_k={routed_k}{' (routed)' if S else ''} exceeds the experts in the {r.topk_group} kept groups "
+                f"({routed // r.n_group} each)"
             )
-        if r.n_group > 1 and self.num_experts // r.n_group < 2:
+        if r.n_group > 1 and routed // r.n_group < 2:
             raise SpecError("grouped top-k scores a group by its two best experts: need >= 2 experts per group")
         p = self.placement
+        if S and p.world_size > 1 and p.physical_experts is None and p.local_experts is None:
+            # the shared experts on every rank: a replica in each rank's last slots (docs/ep.md)
+            p = replace(p, physical_experts=shared_physical_map(self.num_experts, S, p.world_size))
         if p.physical_experts is not None:
             self._check_physical_placement(p)
         elif p.local_experts is None:
@@ -204,7 +216,8 @@ class MoESpec:
         if p.world_size < 1 or not (0 <= p.rank < p.world_size):
             raise SpecError(f"EP rank must be in [0, world_size), got rank={p.rank}, world_size={p.world_size}")
         phys = tuple(int(e) for e in p.physical_experts)
-        problem = physical_map_problem(phys, self.num_experts, p.world_size)
+        problem = physical_map_problem(phys, self.num_experts, p.world_size) or shared_map_problem(
+            phys, self.num_experts, self.shared_experts, p.world_size)
         if problem:
             raise SpecError(problem)
         per = len(phys) // p.world_size
@@ -245,6 +258,11 @@ class MoESpec:
         return len(self.local_experts)
 
     @property
+    def shared_ids(self) -> tuple[int, ...]:
+        """Global ids of the fused shared experts: the last `shared_experts` of num_experts."""
+        return tuple(range(self.num_experts - self.shared_experts, self.num_experts))
+
+    @property
     def redundant(self) -> bool:
         """Whether the spec places physical slots (redundant experts) instead of one slot per expert."""
         return self.placement.physical_experts is not None
@@ -264,7 +282,7 @@ class MoESpec:
         p, P = self.placement, self.num_physical_experts
         per = P // p.world_size
         # routing is the engine's business (ids arrive already chosen): the slots keep only the shapes
-        return replace(self, num_experts=P, routing=Routing(),
+        return replace(self, num_experts=P, routing=Routing(), shared_experts=0,
                        placement=Placement(p.rank, p.world_size, tuple(range(p.rank * per, (p.rank + 1) * per))))
 
     def for_rank(self, rank: int, world_size: int, local_experts: tuple[int, ...] | None = None,
@@ -273,6 +291,35 @@ class MoESpec:
         if physical_experts is None and local_experts is None:
             physical_experts = self.placement.physical_experts
         return replace(self, placement=Placement(rank, world_size, local_experts, physical_experts))
+
+
+def shared_physical_map(num_experts: int, shared: int, world_size: int) -> tuple[int, ...]:
+    """Slot -> expert map with the routed experts placed linearly and every shared expert on every rank.
+
+    Rank r's slots: routed experts [r*R/W, (r+1)*R/W) (R = num_experts - shared), then the
+    shared ids; the rank-major layout SGLang's per-rank shared slots use too.
+    """
+    routed = num_experts - shared
+    if routed % world_size:
+        raise SpecError(f"shared experts on every rank need the {routed} routed experts divisible by the EP world "
+                        f"size {world_size}; pass physical_experts for an uneven placement")
+    per = routed // world_size
+    shared_ids = tuple(range(routed, num_experts))
+    return tuple(e for r in range(world_size) for e in tuple(range(r * per, (r + 1) * per)) + shared_ids)
+
+
+def shared_map_problem(physical_experts: tuple[int, ...], num_experts: int, shared: int,
+                       world_size: int) -> str | None:
+    """What keeps a slot map from holding every shared expert on every rank, or None."""
+    if not shared:
+        return None
+    per = len(physical_experts) // world_size
+    for r in range(world_size):
+        missing = sorted(set(range(num_experts - shared, num_experts)) - set(physical_experts[r * per:(r + 1) * per]))
+        if missing:
+            return (f"shared experts {missing} have no slot on rank {r}; every rank needs a replica of every shared "
+                    f"expert (its tokens' shared slots are served at home; see shared_physical_map)")
+    return None
 
 
 def physical_map_problem(physical_experts: tuple[int, ...], num_experts: int, world_size: int) -> str | None:

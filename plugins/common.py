@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..spec import Activation, MoESpec, Placement, Scheme
+from ..spec import Activation, MoESpec, Placement, Scheme, SpecError, shared_physical_map
 
 FLAG_FUSED = "ATOM_USE_FLYDSL_FUSED"  # full fused EP path: our dispatch + experts + combine
 FLAG_EXPERTS = "ATOM_USE_FLYDSL"  # our experts step; the engine keeps its dispatch and combine
@@ -222,12 +222,25 @@ def local_experts_from_map(expert_map: torch.Tensor | None, num_experts: int) ->
 
 def layer_spec(*, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, scheme: Scheme,
                activation: Activation, has_bias: bool, local_experts: tuple[int, ...], ep_rank: int,
-               ep_size: int, max_tokens_per_rank: int) -> MoESpec:
-    """The MoESpec of one engine layer as this rank sees it (local experts from the engine's map)."""
+               ep_size: int, max_tokens_per_rank: int, shared_experts: int = 0,
+               replicate_shared: bool = False) -> MoESpec:
+    """The MoESpec of one engine layer as this rank sees it (local experts from the engine's map).
+
+    shared_experts: the engine's fused shared experts, the last ids of num_experts (top_k counts
+    their slots). replicate_shared (MegaMoE with EP > 1): the engine keeps them on every rank, so
+    they become physical slots there and each token's shared slots are served at home.
+    """
+    placement = Placement(ep_rank, ep_size, tuple(local_experts))
+    if shared_experts and replicate_shared and ep_size > 1:
+        phys = shared_physical_map(num_experts, shared_experts, ep_size)
+        per = len(phys) // ep_size
+        if tuple(local_experts) != phys[ep_rank * per:(ep_rank + 1) * per]:
+            raise SpecError(f"the engine's local experts {tuple(local_experts)} are not the routed experts placed "
+                            f"linearly plus the shared ones {phys[ep_rank * per:(ep_rank + 1) * per]}")
+        placement = Placement(ep_rank, ep_size, None, phys)
     return MoESpec(hidden_size=hidden_size, intermediate_size=intermediate_size, num_experts=num_experts,
-                   top_k=top_k, scheme=scheme, activation=activation,
-                   placement=Placement(ep_rank, ep_size, tuple(local_experts)),
-                   max_tokens_per_rank=max_tokens_per_rank, has_bias=has_bias)
+                   top_k=top_k, scheme=scheme, activation=activation, placement=placement,
+                   max_tokens_per_rank=max_tokens_per_rank, has_bias=has_bias, shared_experts=shared_experts)
 
 
 def tokens_per_rank(max_num_batched_tokens: int, capture_sizes: list[int] | tuple[int, ...] | None = None,

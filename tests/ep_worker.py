@@ -374,6 +374,62 @@ def redundant_build_errors(checks: Checks, rank: int, world: int) -> None:
         kind=SpecError)
 
 
+SHARED_CASES = (("bf16", "bf16", 1), ("fp8", "fp8", 1), ("a16w4", "bf16", 2))
+SHARED_C = 48  # tokens per rank: every element of long outputs is compared
+
+
+def scenario_shared(checks: Checks, rank: int, world: int, seed: int, transport: str = "torch"):
+    """Fused shared experts over EP: E + S experts, k + S slots, the shared experts replicated on every rank.
+
+    Every output element against the reference with each shared expert computed on its own, for the
+    engines' shared weights (1.0, 1/routed_scaling_factor, per token); the shared slots routed to this
+    rank's own replica; the same batch with the shared slot under-weighted 0.4x must fail the check; a
+    rebalance that takes a rank's shared replica away is refused on every rank.
+    """
+    from shared_common import shared_weight_variants, split_reference, with_shared_weight
+    backend = "triton" if transport == "symm" else "torch"
+    cases = SHARED_CASES if transport == "torch" else SHARED_CASES[:1]
+    for si, (scheme, wire, S) in enumerate(cases):
+        spec_full = MoESpec.create(hidden_size=H, intermediate_size=I, num_experts=E + S, top_k=K + S, scheme=scheme,
+                                   shared_experts=S, max_tokens_per_rank=SHARED_C)
+        spec = spec_full.for_rank(rank, world)  # the shared experts on every rank: P = E + S * world slots
+        raw = random_layer(spec_full, generator=torch.Generator().manual_seed(seed + 100 * si))
+        mine = prepare_stacked(spec, raw.w13, raw.w2, layout="separated")
+        full = ReferenceWeights.from_prepared(prepare_stacked(spec_full, raw.w13, raw.w2, layout="separated"))
+        op = MegaMoE(spec, None, max_tokens_per_rank=SHARED_C, transport=transport, wire=wire,
+                     experts_backend=backend, device="cpu")  # one rank too: a 1-rank all-to-all over gloo
+        tag = f"shared {transport} {scheme}/{wire} S={S}"
+        per = spec.num_physical_experts // world
+        home = torch.arange(rank * per + E // world, (rank + 1) * per)  # this rank's shared slots
+        checks.record(f"{tag} placement", spec.redundant == (world > 1) and per == E // world + S
+                      and spec.local_experts[-S:] == spec_full.shared_ids, local=spec.local_experts)
+        g = torch.Generator().manual_seed(seed * 31 + 1000 * si + rank)
+        T = SHARED_C - rank  # token counts differ per rank
+        x, w, ids = random_tokens(spec_full, T, generator=g)
+        act_quant = spec.scheme if spec.scheme.fp8_activations else None
+        for name, sw in shared_weight_variants(T, K, w, g).items():
+            wv = with_shared_weight(w, spec_full, sw)
+            ref = split_reference(full, spec.activation, x, wv, ids, E, S, act_quant)
+            compare_elements(checks, f"{tag} weight {name}", op(x, wv, ids, mine), ref, x)
+            if transport == "torch" and world > 1:  # (one rank: no slot tables, every expert is local)
+                slots = op.buffers["slot_ids"][:T, K:]
+                checks.record(f"{tag} weight {name} shared slots at home", torch.equal(slots, home.expand(T, S)))
+            planted = op(x, with_shared_weight(w, spec_full, 0.4 * sw), ids, mine).float()
+            err, worst = (planted - ref).norm().item(), (planted - ref).abs().max().item()
+            caught = err > TOL * ref.norm().item() or worst > 3e-2 * ref.abs().max().item()  # compare_elements fails
+            checks.record(f"{tag} weight {name} 0.4x shared weight caught", caught, rel=err / ref.norm().item())
+        for wc in op.warmup(mine, seed=seed):  # the engines' dummy batches over E + S ids, sentinels included
+            compare_elements(checks, f"{tag} warmup {wc.name}", wc.out,
+                             reference(spec_full, full, wc.x, wc.topk_weights, wc.topk_ids, wire), wc.x)
+        if transport == "torch" and world > 1:
+            bad = list(spec.placement.physical_experts)
+            bad[per - 1], bad[per] = bad[per], bad[per - 1]  # rank 0's shared replica and rank 1's first expert swap
+            checks.expect_error(f"{tag} rebalance without a home replica refused",
+                                lambda: op.rebalance(ExpertPlacement.from_map(bad, E + S), [mine]),
+                                "rebalance refused", "have no slot on rank")
+        op.close()
+
+
 def scenario_errors(checks: Checks, rank: int, world: int, seed: int):
     spec_full = MoESpec.create(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, max_tokens_per_rank=C)
     spec = spec_full.for_rank(rank, world)
@@ -550,6 +606,10 @@ def main() -> int:
             scenario_errors(checks, rank, world, seed)
         elif scenario == "redundant":
             scenario_redundant(checks, rank, world, seed)
+        elif scenario == "shared":
+            scenario_shared(checks, rank, world, seed)
+        elif scenario == "shared_symm":
+            scenario_shared(checks, rank, world, seed, transport="symm")
         elif scenario == "redundant_symm":
             scenario_redundant(checks, rank, world, seed, transport="symm")
         elif scenario in ("peer_fails", "peer_dies"):

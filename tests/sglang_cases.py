@@ -301,6 +301,70 @@ def test_planted_bug_fails_the_a8w4_check(runtime, mxfp4_act, monkeypatch, plant
         c.assert_bitwise(out, c.our_mxfp4_twin(tensors, c.a8w4_spec(c.E, c.H, c.K), x, w, ids))
 
 
+# ---------------------------------------------------------------- fused shared experts
+def _shared_layer(scheme: str, salt: int, rsf: float | None):
+    """A DeepSeek-style layer with SGLang's shared-expert fusion: E + 1 experts (the shared one is expert E), top_k
+    K + 1, loaded through SGLang's loaders from a checkpoint whose expert E is the shared expert."""
+    layer = c.build(scheme, num_experts=c.E + 1, num_fused_shared_experts=1, top_k=c.K + 1,
+                    routed_scaling_factor=rsf)
+    tensors, ref = c.checkpoint(scheme, _gen(salt), num_experts=c.E + 1)
+    assert c.load(layer, scheme, tensors, num_experts=c.E + 1) > 0
+    c.process(layer)
+    return layer, ref
+
+
+@pytest.mark.parametrize("scheme, kind, rsf", [("bf16", "biased", None), ("bf16", "biased", c.RSF),
+                                               ("fp8", "biased", c.RSF), ("fp8", "grouped", c.RSF),
+                                               ("mxfp4", "biased", c.RSF)])
+def test_fused_shared_expert_runs_as_a_routed_one(runtime, scheme, kind, rsf):
+    """SGLang's own grouped top-k appends the shared id E (weight exactly 1 or 1/rsf; or SGLang's renormalized
+    1/rsf, per token); every element of 200 tokens against the routed experts plus the shared expert on its own."""
+    layer, ref = _shared_layer(scheme, 20, rsf)
+    spec = layer.atom_moe.plan.spec
+    assert (spec.num_experts, spec.top_k, spec.shared_experts) == (c.E + 1, c.K + 1, 1)
+    assert spec.local_experts == tuple(range(c.E + 1)) and layer.atom_moe.weights.num_local_experts == c.E + 1
+    gen = _gen(21)
+    T = 200
+    x = torch.randn(T, c.H, generator=gen).bfloat16()
+    logits = torch.randn(T, c.E, generator=gen)
+    w, ids = c.shared_topk(kind, x, logits, rsf)
+    assert (ids[:, -1] == c.E).all()
+    shared_w = torch.full((T,), 1.0 if rsf is None else 1 / rsf)
+    if kind == "biased":  # exactly SGLang's fused_shared_expert_weight
+        assert torch.equal(w[:, -1], shared_w), "SGLang's shared weight changed: update the case"
+    else:
+        torch.testing.assert_close(w[:, -1], shared_w, rtol=1e-4, atol=0)
+    out = layer.forward(x, c.topk_output(w, ids, logits))
+    c.assert_matches(out, c.expected_shared(scheme, x, w, ids, ref, rsf))
+
+
+def test_planted_shared_underweight_fails(runtime, monkeypatch):
+    """The shared slot at 0.4x its weight (a planted bug in our routing hand-off) must fail the same check."""
+    layer, ref = _shared_layer("fp8", 22, c.RSF)
+    gen = _gen(23)
+    x = torch.randn(200, c.H, generator=gen).bfloat16()
+    logits = torch.randn(200, c.E, generator=gen)
+    w, ids = c.shared_topk("biased", x, logits, c.RSF)
+    real = hooks._routing
+
+    def planted(topk_output):
+        weights, topk_ids = real(topk_output)
+        return torch.cat([weights[:, :-1], 0.4 * weights[:, -1:]], dim=1).contiguous(), topk_ids
+
+    monkeypatch.setattr(hooks, "_routing", planted)
+    with pytest.raises(AssertionError, match="elements off"):
+        c.assert_matches(layer.forward(x, c.topk_output(w, ids, logits)), c.expected_shared("fp8", x, w, ids, ref,
+                                                                                              c.RSF))
+
+
+@pytest.mark.parametrize("mode, world", [("tp_ep_shared", 2), ("tp_ep_shared", 4), ("dp_ep_shared", 2),
+                                         ("dp_ep_shared", 4)])
+def test_fused_shared_expert_ranks(mode, world):
+    """TP + EP (the shared expert on every rank, weight 1/(rsf x EP), SGLang all-reduces) and DP + EP with
+    megamoe (SGLang's per-rank shared slots, MegaMoE): every rank's output element by element."""
+    _run_ranks(mode, "fp8" if world == 2 else "bf16", world=world)
+
+
 # ---------------------------------------------------------------- fallback and limits
 def test_unsupported_layer_falls_back_with_one_warning(runtime, caplog):
     caplog.set_level(logging.WARNING, logger="sglang.atom_moe")

@@ -88,18 +88,22 @@ def build(scheme: str, **overrides):
     return FusedMoE(**kwargs)
 
 
-def checkpoint(scheme: str, gen: torch.Generator) -> tuple[dict, ReferenceWeights]:
-    """Random checkpoint tensors in the scheme's HF naming (keys under `experts.`), and their reference."""
-    return hf_checkpoint(scheme, gen, E, H, key_prefix="experts.")
+def checkpoint(scheme: str, gen: torch.Generator, num_experts: int = E) -> tuple[dict, ReferenceWeights]:
+    """Random checkpoint tensors in the scheme's HF naming (keys under `experts.`), and their reference.
+
+    With fused shared experts, expert E is the shared one (DeepSeek's loader renames
+    mlp.shared_experts to mlp.experts.E).
+    """
+    return hf_checkpoint(scheme, gen, num_experts, H, key_prefix="experts.")
 
 
-def load(layer, scheme: str, tensors: dict) -> int:
+def load(layer, scheme: str, tensors: dict, num_experts: int = E) -> int:
     """Feed the tensors through SGLang's weight loaders, as the models' load_weights do; return calls made."""
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
 
     calls = 0
     if scheme == "mxfp4":  # GptOssForCausalLM._load_mxfp4_experts_weights: this EP rank's experts, whole
-        per = E // layer.moe_ep_size
+        per = num_experts // layer.moe_ep_size
         lo, hi = layer.moe_ep_rank * per, (layer.moe_ep_rank + 1) * per
         for param_name, key in (("w13_weight", "gate_up_proj_blocks"), ("w2_weight", "down_proj_blocks"),
                                 ("w13_weight_scale", "gate_up_proj_scales"), ("w2_weight_scale", "down_proj_scales"),
@@ -112,7 +116,7 @@ def load(layer, scheme: str, tensors: dict) -> int:
         return calls
     params = dict(layer.named_parameters())
     mapping = FusedMoE.make_expert_params_mapping(ckpt_gate_proj_name="gate_proj", ckpt_down_proj_name="down_proj",
-                                                  ckpt_up_proj_name="up_proj", num_experts=E)
+                                                  ckpt_up_proj_name="up_proj", num_experts=num_experts)
     for name, tensor in tensors.items():
         for param_name, weight_name, expert_id, shard_id in mapping:
             if weight_name not in name:
@@ -151,3 +155,57 @@ def expected(scheme: str, x, w, ids, ref: ReferenceWeights, experts=None) -> tor
     out = reference_moe(x, w, ids.long(), ref, activation_of(scheme), experts=experts,
                         act_quant={"fp8": Scheme.FP8, "a8w4": Scheme.A8W4}.get(scheme))
     return out * SCALE[scheme]
+
+
+# ---------------------------------------------------------------- fused shared experts (one shared expert, id E)
+RSF = 2.5  # DeepSeek-V3's routed_scaling_factor
+
+
+def _eager(fn):
+    """SGLang's torch.compile-decorated routing function, uncompiled (same code, no Inductor on the CPU)."""
+    return getattr(fn, "_torchdynamo_orig_callable", fn)
+
+
+def shared_topk(kind: str, x: torch.Tensor, logits: torch.Tensor, rsf: float | None,
+                shared: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights fp32, topk_ids int32) with `shared` fused shared columns, from SGLang's own routing code.
+
+    biased: DeepSeek-V3's biased grouped top-k (shared weight 1/rsf, or 1.0 without a factor);
+    grouped: grouped softmax top-k, renormalized (shared weight routed sum / rsf before the renormalization,
+    which then divides it by that sum plus SGLang's epsilon: 1/rsf up to rounding, per token).
+    """
+    from sglang.srt.layers.moe import topk as sg
+
+    if kind == "biased":
+        bias = torch.zeros(logits.shape[1])
+        return _eager(sg.biased_grouped_topk_impl)(x, logits, bias, K + shared, True, num_expert_group=4,
+                                                   topk_group=2, num_fused_shared_experts=shared,
+                                                   routed_scaling_factor=rsf)
+    return _eager(sg.grouped_topk_gpu)(x, logits, K + shared, True, num_expert_group=4, topk_group=2,
+                                       num_fused_shared_experts=shared, routed_scaling_factor=rsf)
+
+
+def per_rank_shared_topk(x: torch.Tensor, logits: torch.Tensor, rsf: float) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                       torch.Tensor, torch.Tensor]:
+    """megamoe's per-rank shared slots: (weights, ids) SGLang hands the layer, and the logical (weights, ids).
+
+    The routed top-k, then SGLang's remap_topk_for_per_rank_shared_slots (routed ids spread over
+    rank-major blocks of E/W + 1 slots, the shared column naming this rank's own slot).
+    """
+    from sglang.srt.layers.moe import topk as sg
+
+    w, ids = _eager(sg.biased_grouped_topk_impl)(x, logits, torch.zeros(E), K, True, num_expert_group=4,
+                                                 topk_group=2, routed_scaling_factor=rsf)
+    cfg = sg.TopKConfig(top_k=K + 1, routed_scaling_factor=rsf)
+    ids_phys, w_phys = sg.remap_topk_for_per_rank_shared_slots(ids, w, 1, E, cfg)
+    logical_w = torch.cat([w, w_phys[:, -1:]], dim=1)
+    logical_ids = torch.cat([ids, torch.full_like(ids[:, :1], E)], dim=1)
+    return w_phys.contiguous(), ids_phys.contiguous(), logical_w, logical_ids
+
+
+def expected_shared(scheme: str, x, w, ids, ref: ReferenceWeights, rsf: float | None) -> torch.Tensor:
+    """SGLang's semantics with the shared expert computed on its own: rsf x (routed sum + shared slot x shared MLP)."""
+    from shared_common import split_reference
+
+    act = {"fp8": Scheme.FP8, "a8w4": Scheme.A8W4}.get(scheme)
+    return split_reference(ref, activation_of(scheme), x, w, ids, E, 1, act) * (rsf or 1.0)

@@ -164,12 +164,74 @@ def _stacked(tensors: dict, p2l: list[int]) -> tuple[torch.Tensor, torch.Tensor]
     return w13, w2
 
 
+def main_shared(dp: bool) -> None:
+    """Fused shared experts over `world` ranks (modes tp_ep_shared, dp_ep_shared).
+
+    tp_ep_shared: --moe-a2a-backend none; every rank holds the shared expert (expert E) and sees every
+    token, SGLang's DeepSeek model scales the shared weight by 1/EP (its fused_shared_experts_scaling_factor),
+    each rank's output is its share, SGLang's all-reduce completes it.
+    dp_ep_shared: megamoe; SGLang numbers E + W slots rank-major (E/W routed + 1 shared per rank) and points
+    each token's shared column at its own rank's slot; MegaMoE returns every token complete.
+    Both: every element against the routed reference plus the shared expert on its own, and the same call
+    with the shared weight at 0.4x must fail that check.
+    """
+    start(dp)
+    from sglang.srt.layers.moe.utils import post_experts_all_reduce
+
+    from engine_common import assert_matches
+
+    ckpt_experts = c.E + 1  # the checkpoint's shared expert is expert E
+    layer = c.build(scheme, num_experts=c.E + (world if dp else 1), num_fused_shared_experts=1, top_k=c.K + 1,
+                    routed_scaling_factor=c.RSF)
+    tensors, ref = c.checkpoint(scheme, torch.Generator().manual_seed(seed), num_experts=ckpt_experts)
+    assert c.load(layer, scheme, tensors, num_experts=ckpt_experts) > 0
+    c.process(layer)
+    plan = layer.atom_moe.plan
+    per = c.E // world
+    if dp:  # per-rank slots: ordinary experts to us, this rank's block of E/W + 1
+        assert plan.fused and plan.spec.shared_experts == 0 and plan.spec.num_experts == c.E + world, plan.spec
+        assert plan.spec.local_experts == tuple(range(rank * (per + 1), (rank + 1) * (per + 1))), plan.spec
+    else:
+        assert not plan.fused and plan.spec.shared_experts == 1 and plan.spec.num_experts == c.E + 1, plan.spec
+        assert plan.spec.local_experts == tuple(range(rank * per, (rank + 1) * per)) + (c.E,), plan.spec
+    layer.dispatcher.dispatch = layer.dispatcher.combine = None  # SGLang's dispatcher must not run
+
+    tok = torch.Generator().manual_seed(seed * 31 + (rank if dp else 0) + 1)  # DP: tokens differ per rank
+    T = 160 + (7 * rank if dp else 0)
+    x = torch.randn(T, c.H, generator=tok).bfloat16()
+    logits = torch.randn(T, c.E, generator=tok)
+    if dp:
+        w, ids, ref_w, ref_ids = c.per_rank_shared_topk(x, logits, c.RSF)
+        assert (ids[:, -1] == rank * (per + 1) + per).all()  # the shared column names this rank's slot
+    else:
+        w, ids = c.shared_topk("biased", x, logits, c.RSF)
+        w[:, -1] *= 1.0 / world  # DeepseekV2MoE: fused_shared_experts_scaling_factor = 1 / moe_ep_size
+        ref_w, ref_ids = w.clone(), ids.clone()
+        ref_w[:, -1] *= world  # the reference counts the shared expert once, on the full weight
+    full = c.expected_shared(scheme, x, ref_w, ref_ids, ref, c.RSF)
+    for planted in (False, True):
+        wp = w.clone()
+        if planted:
+            wp[:, -1] *= 0.4
+        out = layer.forward(x, c.topk_output(wp.contiguous(), ids, logits))
+        if not dp:
+            out = post_experts_all_reduce(out.clone())
+        try:
+            assert_matches(out, full)
+        except AssertionError:
+            assert planted, "the shared expert's output differs from the reference"
+        else:
+            assert not planted, "a 0.4x shared weight passed the check"
+
+
 def main() -> None:
     load_plugins()
     if mode == "limit":
         return check_limit()
     if mode.startswith("eplb"):
         return eplb()
+    if mode.endswith("_shared"):
+        return main_shared(mode.startswith("dp"))
     dp = mode.startswith("dp_ep")
     start(dp)
     from sglang.srt.layers.moe.utils import (get_moe_a2a_backend, is_moe_input_scattered_across_dp_ranks,

@@ -316,3 +316,23 @@ def test_decode_and_prefill_ops_both_reported(capsys):
     out = capsys.readouterr().out
     assert "decode op" not in out and "ATOM_MOE_DECODE_TOKENS=0" in _flags(out, "sglang")
     assert main(["plan", "deepseek-v3", "--ep", "8", "--gpu-memory-gib", "140.4", "--decode-capacity", "-1"]) == 2
+
+
+def test_fused_shared_experts_are_planned_as_slots(capsys):
+    """--fused-shared-experts 1 on DeepSeek-V3: E 257 / top_k 9, a replica per rank, buffers for 9 slots a token."""
+    layer = load_model("deepseek-v3")
+    plain = make_plan(layer, ep=8, tokens=1024, gpu_bytes=int(140.4 * GiB))
+    assert main(["plan", "deepseek-v3", "--gpus", "8", "--gpu-memory-gib", "140.4", "--tokens", "1024",
+                 "--fused-shared-experts", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "E=257 top_k=9" in out and "EP 8 (33 slots per rank: 32 routed + 1 fused shared)" in out
+    assert "slot_ids [1024, 9] int64" in out  # every token's shared slot counted
+    assert "--enforce-shared-experts-fusion" in _flags(out, "sglang")
+    from atom_moe.tools.plan import with_fused_shared
+    shared = make_plan(with_fused_shared(layer, 1), ep=8, tokens=1024, gpu_bytes=int(140.4 * GiB))
+    assert shared.spec.local_experts == tuple(range(32)) + (256,)
+    assert shared.weight_bytes * 32 == plain.weight_bytes * 33  # the shared expert's replica on every rank
+    assert shared.buffer_bytes > plain.buffer_bytes
+    assert main(["plan", "deepseek-v3", "--gpu-memory-gib", "140", "--fused-shared-experts", "1",
+                 "--redundant-experts", "8"]) == 2
+    assert "plan one of them" in capsys.readouterr().err

@@ -193,3 +193,16 @@ def test_bad_decode_tokens_names_the_value_and_what_is_allowed(value):
     with pytest.raises(FlagError) as info:
         parse_flags({"ATOM_USE_FLYDSL_FUSED": "1", "ATOM_MOE_DECODE_TOKENS": value})
     assert str(info.value).startswith(f"ATOM_MOE_DECODE_TOKENS={value!r} is not a token count; use an integer >= 0")
+
+
+def test_layer_spec_with_fused_shared_experts():
+    """Experts mode keeps the engine's map (the shared expert on every rank); MegaMoE gets a replica slot per rank."""
+    kw = dict(hidden_size=256, intermediate_size=128, num_experts=9, top_k=3, scheme=Scheme.BF16,
+              activation=common.Activation(), has_bias=False, ep_size=2, max_tokens_per_rank=64, shared_experts=1)
+    plain = common.layer_spec(local_experts=(4, 5, 6, 7, 8), ep_rank=1, **kw)
+    assert not plain.redundant and plain.local_experts == (4, 5, 6, 7, 8) and plain.shared_ids == (8,)
+    fused = common.layer_spec(local_experts=(4, 5, 6, 7, 8), ep_rank=1, replicate_shared=True, **kw)
+    assert fused.redundant and fused.placement.physical_experts == (0, 1, 2, 3, 8, 4, 5, 6, 7, 8)
+    assert fused.kernel_spec.local_experts == (5, 6, 7, 8, 9)
+    with pytest.raises(common.SpecError, match=r"not the routed experts placed linearly plus the shared ones"):
+        common.layer_spec(local_experts=(0, 2, 4, 6, 8), ep_rank=0, replicate_shared=True, **kw)

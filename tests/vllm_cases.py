@@ -416,6 +416,105 @@ def test_degenerate_dummy_routing(configs, seed):
     assert_matches(out, expected("fp8", x, logits, ref))
 
 
+# ---------------------------------------------------------------- fused shared experts (one shared expert, id E)
+RSF = 2.5  # DeepSeek-V3's routed_scaling_factor
+
+
+def _torch_topk_sigmoid(topk_weights, topk_ids, token_expert_indices, gating_output, renormalize, bias,
+                        routed_scaling_factor=1.0):
+    """vLLM's topk_sigmoid (a CUDA op) in torch, for the CPU: biased choice, unbiased weights, then the factor."""
+    scores = gating_output.float().sigmoid()
+    ids = (scores + bias.float()).topk(topk_weights.shape[1], dim=-1).indices
+    w = scores.gather(1, ids)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    topk_weights.copy_(w * routed_scaling_factor)
+    topk_ids.copy_(ids)
+    return topk_weights, topk_ids
+
+
+def shared_runner(scheme: str, cfg: VllmConfig, monkeypatch, scale_on_output: bool):
+    """A DeepSeek-style layer with vLLM's shared-expert fusion (ROCm AITER's, here on the CPU).
+
+    vLLM fuses only where AITER asks for it; its one CUDA-only step at construction is AITER's
+    routing buffer, which the bias router (shared_routing) does not use, so it is skipped here.
+    """
+    import vllm.model_executor.layers.fused_moe.expert_map_manager as emm
+
+    monkeypatch.setattr(emm, "init_aiter_topK_meta_data", lambda **kw: None)
+    return build(scheme, cfg, n_shared_experts=1, fuse_shared_experts=True, scoring_func="sigmoid",
+                 e_score_correction_bias=torch.zeros(E), routed_scaling_factor=RSF,
+                 apply_routed_scale_to_output=scale_on_output)
+
+
+def shared_routing(x, logits, scale_on_output: bool, monkeypatch):
+    """(topk_weights, topk_ids) from vLLM's FusedTopKBiasRouter: K routed slots, then the shared id E.
+
+    The router FusedMoEFactory builds on a GPU for this layer (on the CPU it builds CPURouter, which
+    fuses no shared expert), with the factory's arguments: the routed weights scaled by the factor,
+    the shared slot 1; or, when the runner scales the output, routed unscaled and the shared slot
+    1/factor. Its CUDA top-k is replaced by a torch one; appending the shared slot is vLLM's code.
+    """
+    import vllm.model_executor.layers.fused_moe.router.fused_topk_bias_router as bias_router
+
+    monkeypatch.setattr(bias_router, "vllm_topk_sigmoid", _torch_topk_sigmoid)
+    router = bias_router.FusedTopKBiasRouter(
+        top_k=K, global_num_experts=E, e_score_correction_bias=torch.zeros(E), renormalize=True,
+        routed_scaling_factor=1.0 if scale_on_output else RSF, scoring_func="sigmoid", num_fused_shared_experts=1,
+        shared_expert_weight=1 / RSF if scale_on_output else 1.0)
+    w, ids = router._compute_routing(x, logits, torch.int32)
+    assert (ids[:, -1] == E).all() and ids.shape[1] == K + 1
+    return w.contiguous(), ids.contiguous()
+
+
+def expected_shared(scheme: str, x, w, ids, ref) -> torch.Tensor:
+    """The routed experts on the first K slots plus the shared expert on its own, at the weights vLLM gave."""
+    from shared_common import split_reference
+
+    return split_reference(ref, activation_of(scheme), x, w, ids, E, 1, {"fp8": Scheme.FP8}.get(scheme))
+
+
+@pytest.mark.parametrize("scheme, scale_on_output", [("bf16", False), ("bf16", True), ("fp8", False),
+                                                     ("fp8", True)])
+def test_fused_shared_expert_runs_as_a_routed_one(configs, seed, monkeypatch, scheme, scale_on_output):
+    """E + 1 experts, K + 1 slots; the shared weight exactly 1.0 or 1/rsf; 200 tokens, every element."""
+    from atom_moe.plugins.vllm.method import AtomMoEMethod
+
+    cfg = configs[scheme]
+    runner = shared_runner(scheme, cfg, monkeypatch, scale_on_output)
+    experts = runner.routed_experts
+    method = experts.quant_method
+    assert isinstance(method, AtomMoEMethod), type(method)
+    spec = method.plan.spec
+    assert (spec.num_experts, spec.top_k, spec.shared_experts) == (E + 1, K + 1, 1)
+    gen = torch.Generator().manual_seed(seed)
+    tensors, ref = hf_tensors(scheme, gen, num_experts=E + 1)  # expert E: the shared one (mlp.experts.E)
+    load(runner, scheme, tensors)
+    process(runner)
+    assert experts.atom_moe_weights.num_local_experts == E + 1
+    x = torch.randn(200, H, generator=gen).bfloat16()
+    logits = torch.randn(200, E, generator=gen)
+    w, ids = shared_routing(x, logits, scale_on_output, monkeypatch)
+    assert torch.equal(w[:, -1], torch.full((200,), 1 / RSF if scale_on_output else 1.0))
+    want = expected_shared(scheme, x, w, ids, ref)
+    assert_matches(method.apply(experts, x, w, ids), want)
+    planted = torch.cat([w[:, :-1], 0.4 * w[:, -1:]], dim=1).contiguous()  # the shared slot under-weighted
+    with pytest.raises(AssertionError, match="elements off"):
+        assert_matches(method.apply(experts, x, planted, ids), want)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fused_shared_expert_tp_ranks(seed, world):
+    """TP 2 and 4 (no EP): every rank holds every expert's I/TP shard, the shared one included; vLLM all-reduces."""
+    _launch("tp_shared", "bf16", seed, world=world)
+
+
+def test_fused_shared_expert_with_ep_keeps_vllms_path(seed):
+    """EP 2: vLLM's map holds the shared expert only under AITER (and AITER's EP routing masks it by token
+    round robin), so the plugin leaves the layer to vLLM with one warning naming why."""
+    _launch("ep_shared", "bf16", seed, world=2)
+
+
 # ---------------------------------------------------------------- fallbacks
 @pytest.mark.parametrize("overrides, reason", [
     (dict(activation="gelu"), "activation gelu"),

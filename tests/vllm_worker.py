@@ -185,8 +185,64 @@ def stacked(tensors: dict, p2l: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return w13, torch.stack([tensors[f"{e}.down_proj.weight"] for e in p2l])
 
 
+def main_shared() -> None:
+    """Fused shared experts (modes tp_shared, ep_shared): TP=WORLD, without or with EP.
+
+    tp_shared: every rank holds every expert's I/TP shard, the shared expert E too; each rank's apply is
+    its shard's partial sum, vLLM's all-reduce completes it: every element against the routed reference
+    plus the shared expert on its own. ep_shared: vLLM's expert map has no shared entry without AITER,
+    so the layer keeps vLLM's method, with one warning naming why.
+    """
+    import logging
+
+    import pytest
+
+    from vllm.distributed import tensor_model_parallel_all_reduce
+
+    pc = ParallelConfig(tensor_parallel_size=world, enable_expert_parallel=mode == "ep_shared")
+    cfg = cases.vllm_config(ckpt, Path(tempfile.mkdtemp()), parallel_config=pc)
+    with set_current_vllm_config(cfg):
+        init_distributed_environment(world, rank, f"tcp://127.0.0.1:{port}", rank, backend="gloo")
+        initialize_model_parallel(world, 1)
+        mp = pytest.MonkeyPatch()
+        if mode == "ep_shared":
+            records = []
+            handler = logging.Handler()
+            handler.emit = records.append
+            logging.getLogger("vllm.atom_moe").addHandler(handler)
+            runner = cases.shared_runner(ckpt, cfg, mp, False)
+            assert not isinstance(runner.routed_experts.quant_method, AtomMoEMethod)
+            msgs = [r.getMessage() for r in records if "keep vLLM's own path" in r.getMessage()]
+            assert len(msgs) == 1 and "fused shared experts: vLLM's expert map has" in msgs[0], msgs
+            print(f"RANK {rank} OK", flush=True)
+            return
+        runner = cases.shared_runner(ckpt, cfg, mp, True)
+        experts = runner.routed_experts
+        method = experts.quant_method
+        assert isinstance(method, AtomMoEMethod), type(method)
+        spec = method.plan.spec
+        assert spec.local_experts == tuple(range(cases.E + 1)) and spec.shared_experts == 1
+        assert spec.intermediate_size == cases.INTER[ckpt] // world
+        tensors, ref = cases.hf_tensors(ckpt, torch.Generator().manual_seed(seed), num_experts=cases.E + 1)
+        cases.load(runner, ckpt, tensors)
+        cases.process(runner)
+        tok = torch.Generator().manual_seed(seed * 31 + 1)  # the same tokens on every rank
+        x = torch.randn(160, cases.H, generator=tok).bfloat16()
+        logits = torch.randn(160, cases.E, generator=tok)
+        w, ids = cases.shared_routing(x, logits, True, mp)
+        want = cases.expected_shared(ckpt, x, w, ids, ref)
+        cases.assert_matches(tensor_model_parallel_all_reduce(method.apply(experts, x, w, ids)), want)
+        planted = torch.cat([w[:, :-1], 0.4 * w[:, -1:]], dim=1).contiguous()
+        with pytest.raises(AssertionError, match="elements off"):
+            cases.assert_matches(tensor_model_parallel_all_reduce(method.apply(experts, x, planted, ids)), want)
+        mp.undo()
+    print(f"RANK {rank} OK", flush=True)
+
+
 def main() -> None:
     load_general_plugins()
+    if mode.endswith("_shared"):
+        return main_shared()
     dp = mode.startswith("dp") or mode == "eplb_dp"
     if dp:
         pc = ParallelConfig(data_parallel_size=world, data_parallel_rank=rank, data_parallel_size_local=world,

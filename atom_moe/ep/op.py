@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from ..inputs import warn_fp32
-from ..placement import ExpertPlacement, physical_ids, slot_moves
-from ..spec import MoESpec
+from ..placement import ExpertPlacement, home_tables, physical_ids, slot_moves
+from ..spec import MoESpec, shared_map_problem
 from ..weights import PreparedWeights
 from .buffers import BACKENDS, TRANSPORTS, WIRES, buffer_plan, check_limits, workspace_tensors
 from .paths import combine_mode
@@ -171,12 +171,14 @@ class MegaMoE:
     def _write_tables(self, placement: ExpertPlacement) -> None:
         """Copy a placement into the persistent routing tables in place (addresses unchanged)."""
         b, N, P = self.buffers, self.spec.num_experts, self.spec.num_physical_experts
+        # shared experts: every rank holds one, so a token's shared slots are served at home
+        table, count = home_tables(placement, self.rank, self.world, self.spec.shared_ids)
         with torch.inference_mode(False), torch.no_grad():
             b["slot_expert"].copy_(placement.physical_to_logical)
-            b["replica_slots"][:N].copy_(placement.logical_to_physical)
+            b["replica_slots"][:N].copy_(table)
             b["replica_slots"][N].fill_(-1)
             b["replica_slots"][N, 0] = P  # sentinel ids go to slot P, which no rank owns
-            b["replica_count"][:N].copy_(placement.replica_count)
+            b["replica_count"][:N].copy_(count)
             b["replica_count"][N] = 1
 
     def _resolve_group(self, group):
@@ -276,9 +278,12 @@ class MegaMoE:
         missing = [e for e in range(s.num_experts) if e not in owner_of]
         shared = {e: rs for e, rs in owner_of.items() if len(rs) > 1}
         if missing or shared:
+            hint = (" (fused shared experts: build the spec without local_experts, or with physical_experts, so "
+                    "that every rank holds a replica)" if self.spec.shared_experts else "")
             raise MegaMoEError(
                 f"the EP ranks' placements must partition the {s.num_experts} experts (each expert on exactly one "
-                f"rank): unowned experts {missing[:16]}, experts on several ranks {dict(list(shared.items())[:16])}")
+                f"rank): unowned experts {missing[:16]}, experts on several ranks {dict(list(shared.items())[:16])}"
+                + hint)
         return [owner_of[e][0] for e in range(s.num_experts)]
 
     def _resolve_transport(self, requested: str) -> str:
@@ -534,7 +539,8 @@ class MegaMoE:
             return "rebalance cannot run inside a CUDA graph capture; call it between steps"
         if not isinstance(placement, ExpertPlacement):
             return f"placement must be an ExpertPlacement, got {type(placement).__name__}"
-        problem = placement.problem(s.num_experts, self.world)
+        problem = placement.problem(s.num_experts, self.world) or shared_map_problem(
+            placement.slots(), s.num_experts, s.shared_experts, self.world)
         if problem:
             return f"replica tables: {problem}"
         if placement.num_slots != s.num_physical_experts:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from ..experts import Workspace, allocate_workspace, fused_experts
-from ..placement import ExpertPlacement, physical_ids, slot_moves
-from ..spec import MoESpec
+from ..placement import ExpertPlacement, home_tables, physical_ids, slot_moves
+from ..spec import MoESpec, shared_map_problem
 from ..weights import PreparedWeights
 from .buffers import buffer_plan
 from .rebalance import move_slots_in_process
@@ -70,15 +70,17 @@ class SimulatedSymmGroup:
         t = dict(replica_slots=torch.empty(N + 1, P - N + 1, dtype=torch.int64), replica_count=torch.empty(
             N + 1, dtype=torch.int64), pair_index=pairs, slot_ids=torch.empty(C, k, dtype=torch.int64))
         t = {n: v.to(device) for n, v in t.items()}
-        self._write_tables(t, self.placement)
+        self._write_tables(t, self.placement, rank)
         return t
 
-    def _write_tables(self, t: dict[str, torch.Tensor], p: ExpertPlacement) -> None:
-        N, P = self.logical[0].num_experts, self.logical[0].num_physical_experts
-        t["replica_slots"][:N].copy_(p.logical_to_physical)
+    def _write_tables(self, t: dict[str, torch.Tensor], p: ExpertPlacement, rank: int) -> None:
+        s = self.logical[0]
+        N, P = s.num_experts, s.num_physical_experts
+        table, count = home_tables(p, rank, self.world, s.shared_ids)  # shared experts served at home, as the op
+        t["replica_slots"][:N].copy_(table)
         t["replica_slots"][N].fill_(-1)
         t["replica_slots"][N, 0] = P
-        t["replica_count"][:N].copy_(p.replica_count)
+        t["replica_count"][:N].copy_(count)
         t["replica_count"][N] = 1
 
     def rebalance(self, placement: ExpertPlacement, layers: list[list[PreparedWeights]]) -> None:
@@ -87,11 +89,14 @@ class SimulatedSymmGroup:
             raise ValueError("rebalance needs specs with redundant experts (physical_experts)")
         s = self.logical[0]
         placement.check(s.num_experts, self.world)
+        problem = shared_map_problem(placement.slots(), s.num_experts, s.shared_experts, self.world)
+        if problem:
+            raise ValueError(problem)
         moves = slot_moves(self.placement.slots(), placement.slots(), self.world)
         for per_rank in layers:
             move_slots_in_process(per_rank, moves, s.num_physical_experts // self.world)
-        for t in self.tables:
-            self._write_tables(t, placement)
+        for r, t in enumerate(self.tables):
+            self._write_tables(t, placement, r)
         self.placement = placement
 
     def forward(self, weights: list[PreparedWeights], xs: list[torch.Tensor], topk_weights: list[torch.Tensor],

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -253,7 +253,7 @@ def instance_size(layer: ModelLayer, layout: str, gpus: int, tokens: int, **kw) 
     n = 1
     while n <= gpus:
         tp, dp, ep = layout_sizes(layout, n)
-        if layout == "replicate" or layer.spec.num_experts % n == 0:
+        if layout == "replicate" or (layer.spec.num_experts - layer.spec.shared_experts) % n == 0:
             try:
                 plan = make_plan(layer, ep=ep, dp=dp, tp=tp, tokens=tokens, fused=(layout == "dp-ep" and n > 1)
                                  if layout in ("dp-ep", "ep") else None, **kw)
@@ -311,7 +311,9 @@ def engine_flags(plan: Plan, engine: str, model: str = "<model>") -> str:
         else:  # TP + EP: every rank sees every token
             parts += [f"--tp-size {N} --ep-size {G} --moe-a2a-backend none"]
             chunk = B
-        parts += ["--disable-shared-experts-fusion", f"--chunked-prefill-size {chunk}",
+        # fused shared experts run on our path as routed ones (docs/sglang.md); else SGLang runs them itself
+        fusion = "--enforce-shared-experts-fusion" if plan.spec.shared_experts else "--disable-shared-experts-fusion"
+        parts += [fusion, f"--chunked-prefill-size {chunk}",
                   f"--max-running-requests {B}", f"--cuda-graph-max-bs-decode {min(B, 512)}",
                   f"--mem-fraction-static {U:.2f}"]
         return " ".join(parts)
@@ -329,7 +331,9 @@ def format_plan(plan: Plan, engines: tuple[str, ...], model: str) -> str:
            f"I={s.intermediate_size} E={s.num_experts} top_k={s.top_k}",
            f"layout {plan.layout}: {LAYOUTS.get(plan.layout, 'TP x DP attention + EP with the engine dispatch, our experts step')}",
            f"  {plan.gpus} GPU(s), EP {plan.ep} ("
-           + (f"{s.num_local_experts} slots per rank: {s.num_physical_experts} = {s.num_experts} experts + "
+           + (f"{s.num_local_experts} slots per rank: {s.num_local_experts - s.shared_experts} routed + "
+              f"{s.shared_experts} fused shared" if s.shared_experts
+              else f"{s.num_local_experts} slots per rank: {s.num_physical_experts} = {s.num_experts} experts + "
               f"{s.num_physical_experts - s.num_experts} redundant" if s.redundant
               else f"{s.num_local_experts} experts per rank") + "), attention DP "
            f"{plan.dp}, TP {plan.tp}; transport {plan.transport if plan.fused else 'none (no MegaMoE dispatch)'}, "
@@ -449,16 +453,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wire", default="bf16", choices=WIRES, help="dispatch wire format (fused, EP > 1)")
     parser.add_argument("--redundant-experts", type=nonnegative_int, default=0,
                         help="extra physical expert slots (EPLB): weights and buffers count N + this many slots")
+    parser.add_argument("--fused-shared-experts", type=nonnegative_int, default=0,
+                        help="shared experts the engine fuses as routed ones (e.g. 1: E 257 / top_k 9 for a 256-expert "
+                             "top-8 model); each EP rank holds a replica")
     parser.add_argument("--experts-backend", default="auto", choices=("auto", "triton", "torch"),
                         help="experts backend: auto is what the op picks on a GPU (Triton where it takes the scheme)")
     parser.add_argument("--engine", action="append", choices=ENGINES, help="repeatable; none: both")
     parser.add_argument("--model-path", default=None, help="model path/name for the engine commands; none: MODEL")
 
 
+def with_fused_shared(layer: ModelLayer, shared: int, redundant: int = 0) -> ModelLayer:
+    """The layer with `shared` shared experts fused as routed ones: E + S experts, top_k + S slots."""
+    if not shared:
+        return layer
+    if redundant:
+        raise PlanError("--fused-shared-experts with --redundant-experts: plan one of them (the plugins take fused "
+                        "shared experts without EPLB)")
+    s = layer.spec
+    return replace(layer, spec=replace(s, num_experts=s.num_experts + shared, top_k=s.top_k + shared,
+                                       shared_experts=shared))
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of `atom-moe plan`; returns the process exit code."""
     try:
-        layer = load_model(args.model, args.scheme)
+        layer = with_fused_shared(load_model(args.model, args.scheme), args.fused_shared_experts,
+                                  args.redundant_experts)
         if args.gpu_memory_gib is None:
             if not torch.cuda.is_available():
                 raise PlanError("no CUDA device here: pass --gpu-memory-gib (e.g. 140.4 for an H200)")
@@ -477,7 +497,7 @@ def run(args: argparse.Namespace) -> int:
                             f"most {gpus} GPUs")
         layout = args.layout
         if layout is None and not explicit:  # the docs' lead layout, where the experts divide over the GPUs
-            layout = "dp-ep" if gpus > 1 and layer.spec.num_experts % gpus == 0 else "replicate"
+            layout = "dp-ep" if gpus > 1 and (layer.spec.num_experts - layer.spec.shared_experts) % gpus == 0 else "replicate"
         fused = None
         if layout is not None:
             tp, dp, ep = layout_sizes(layout, gpus)

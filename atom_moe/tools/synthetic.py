@@ -48,13 +48,20 @@ def random_tokens(spec: MoESpec, num_tokens: int, *, generator: torch.Generator,
     """(x bf16 [T, H], topk_weights fp32 [T, k], topk_ids int64 [T, k]) routed by the spec's router.
 
     skew > 0 adds skew * log-rank to the logits so low expert ids are chosen more often.
+    Fused shared experts (spec.shared_experts) follow the routed slots, with weight 1.
     """
     draw = dict(generator=generator, device=generator.device)
+    routed, S = spec.num_experts - spec.shared_experts, spec.shared_experts
     x = torch.randn(num_tokens, spec.hidden_size, **draw).to(device=device, dtype=torch.bfloat16)
-    logits = torch.randn(num_tokens, spec.num_experts, **draw).to(device)
+    logits = torch.randn(num_tokens, routed, **draw).to(device)
     if skew:
-        logits = logits - skew * torch.log1p(torch.arange(spec.num_experts, device=device, dtype=torch.float32))
+        logits = logits - skew * torch.log1p(torch.arange(routed, device=device, dtype=torch.float32))
     if spec.routing.correction_bias and correction_bias is None:
-        correction_bias = torch.zeros(spec.num_experts, device=device)
-    weights, ids = route(logits, spec.routing, spec.top_k, correction_bias)
+        correction_bias = torch.zeros(routed, device=device)
+    bias = None if correction_bias is None else correction_bias[:routed]  # shared experts are not routed
+    weights, ids = route(logits, spec.routing, spec.top_k - S, bias)
+    if S:  # fused shared experts: appended after the routed slots with weight 1, as the engines do
+        shared = torch.arange(routed, spec.num_experts, device=device).expand(num_tokens, S)
+        weights = torch.cat([weights, torch.ones(num_tokens, S, device=device)], dim=1)
+        ids = torch.cat([ids, shared], dim=1)
     return x, weights, ids

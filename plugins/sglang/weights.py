@@ -95,6 +95,15 @@ def local_experts(layer) -> tuple[int, ...] | str:
     if eplb_active() and _moe_args().ep_dispatch_algorithm is None:
         return ("a non-trivial expert placement without --ep-dispatch-algorithm (SGLang's top-k would hand "
                 "logical ids to physical slots)")
+    if eplb_active() and shared_experts(layer):
+        return "fused shared experts under EPLB (the two together are not tested; SGLang's path runs)"
+    if per_rank_shared_slots(layer):
+        # megamoe / DeepEP: rank r's slots are ids [r*L, (r+1)*L), routed then shared (SGLang's TopK numbers
+        # them so); SGLang's loader map speaks checkpoint ids, so the slots are counted here
+        L, r, W = layer.num_local_experts, layer.moe_ep_rank, layer.moe_ep_size
+        if layer.num_experts != L * W:
+            return f"per-rank shared slots: {layer.num_experts} experts are not {W} ranks x {L} slots"
+        return tuple(range(r * L, (r + 1) * L))
     # the same function SGLang's weight loader uses to place expert e: slot or -1
     table = torch.tensor([layer._map_global_expert_id_to_local_expert_id(e) for e in range(layer.num_experts)])
     return local_experts_from_map(table, layer.num_experts)
@@ -127,6 +136,26 @@ def expose_for_eplb(layer, weights: PreparedWeights) -> list[str]:
         layer.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
         names.append(name)
     return names
+
+
+def shared_experts(layer) -> int:
+    """SGLang's fused shared experts of this layer (0: none, or the model runs them itself)."""
+    return int(getattr(layer, "num_fused_shared_experts", 0) or 0)
+
+
+def per_rank_shared_slots(layer) -> bool:
+    """Whether SGLang gives each EP rank its own shared-expert slots (megamoe and DeepEP-class a2a backends).
+
+    Then the top-k ids are physical slots, a token's shared ids already name its own rank's
+    slot, and every slot is an ordinary expert to us.
+    """
+    if not shared_experts(layer):
+        return False
+    try:
+        from sglang.srt.layers.moe.utils import has_per_rank_fused_shared_slots
+    except ImportError:  # SGLang before per-rank slots: shared ids are global
+        return False
+    return bool(has_per_rank_fused_shared_slots(shared_experts(layer)))
 
 
 def server_args():
@@ -173,8 +202,6 @@ def plan_layer(layer, method, fused_flag: bool, transport_flag: str = "auto",
     if not (a2a.is_none() or fused):
         return (f"--moe-a2a-backend {a2a.value} (our experts step runs with 'none'; the fused EP path "
                 f"with 'megamoe' and ATOM_USE_FLYDSL_FUSED=1)")
-    if getattr(layer, "num_fused_shared_experts", 0):
-        return "shared experts fused into the routed experts"
     cfg = layer.moe_runner_config
     if cfg.apply_router_weight_on_input or cfg.no_combine:
         return "apply_router_weight_on_input / no_combine"
@@ -219,10 +246,13 @@ def plan_layer(layer, method, fused_flag: bool, transport_flag: str = "auto",
     # without our dispatch, DP-attention layers see every DP rank's tokens (SGLang gathers them)
     gathered = parallel.attn_dp_size if (not fused and is_dp_attention_enabled()) else 1
     try:
+        # fused shared experts: global ids after the routed ones, on every rank; with per-rank slots they
+        # are ordinary experts (each rank's own), already named so by SGLang's top-k
+        shared = 0 if per_rank_shared_slots(layer) else shared_experts(layer)
         spec = layer_spec(hidden_size=H, intermediate_size=I, num_experts=layer.num_experts, top_k=layer.top_k,
                           scheme=scheme, activation=activation, has_bias=bool(layer.with_bias),
                           local_experts=experts, ep_rank=layer.moe_ep_rank, ep_size=layer.moe_ep_size,
-                          max_tokens_per_rank=per_rank)
+                          max_tokens_per_rank=per_rank, shared_experts=shared, replicate_shared=fused)
     except SpecError as exc:
         return f"layer shape not supported: {exc}"
     if fused and (parallel.moe_tp_size > 1 or parallel.moe_ep_size != parallel.tp_size):

@@ -212,6 +212,9 @@ def plan_layer(layer: RoutedExperts, inner: FusedMoEMethodBase, moe) -> LayerPla
     if backend is None:
         return f"our GPU experts do not take scheme {scheme.value} yet"
 
+    shared = _shared_experts(layer, moe)
+    if isinstance(shared, str):
+        return shared
     fused = _flags.mode is Mode.FUSED and pc.use_ep and pc.dp_size > 1
     if fused and (get_tensor_model_parallel_world_size() > 1 or pc.is_sequence_parallel):
         warn_once(log, "fused-tp", f"atom_moe: {FLAG_FUSED}=1 runs the fused EP path only with attention TP=1 "
@@ -223,13 +226,14 @@ def plan_layer(layer: RoutedExperts, inner: FusedMoEMethodBase, moe) -> LayerPla
     per_rank = tokens_per_rank(mnbt, None, getattr(moe, "max_capture_size", None))
     # without our dispatch, DP+EP layers see every DP rank's tokens (vLLM gathers them first)
     gathered = pc.dp_size if (not fused and pc.dp_size > 1) else 1
-    local = local_experts_from_map(layer._expert_map, moe.num_experts)
+    # fused shared experts are ids num_experts.. (vLLM's map holds them on every rank, after the routed ones)
+    local = local_experts_from_map(layer._expert_map, moe.num_experts + shared)
     try:
         spec = layer_spec(hidden_size=layer.hidden_size, intermediate_size=moe.intermediate_size_per_partition,
-                          num_experts=moe.num_experts, top_k=moe.experts_per_token, scheme=scheme,
+                          num_experts=moe.num_experts + shared, top_k=moe.experts_per_token + shared, scheme=scheme,
                           activation=activation, has_bias=moe.has_bias, local_experts=local,
                           ep_rank=pc.ep_rank if pc.use_ep else 0, ep_size=pc.ep_size if pc.use_ep else 1,
-                          max_tokens_per_rank=per_rank)
+                          max_tokens_per_rank=per_rank, shared_experts=shared, replicate_shared=fused)
     except SpecError as exc:
         return f"layer shape not supported: {exc}"
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
@@ -239,6 +243,30 @@ def plan_layer(layer: RoutedExperts, inner: FusedMoEMethodBase, moe) -> LayerPla
                        transport=transport, experts_backend=backend, free_bytes=free,
                        flag="--max-num-batched-tokens", scale=gathered)
     return LayerPlan(spec, layout, fused, backend, per_rank * gathered, transport)
+
+
+def _shared_experts(layer: RoutedExperts, moe) -> int | str:
+    """vLLM's fused shared experts of this layer (0: none), or why we do not take them.
+
+    vLLM fuses them on ROCm with AITER (VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS): expert ids
+    num_experts + j, each token's last top-k slots, with the router's weight (1, or
+    1/routed_scaling_factor when the runner scales the output). With EP, AITER's routing buffer
+    adds a slot and gives each token's shared slot to one rank only (tokens round robin, every
+    rank seeing every token), which neither our spec's top-k nor our dispatch matches.
+    """
+    manager = getattr(layer, "expert_map_manager", None)
+    shared = int(getattr(manager, "num_fused_shared_experts", 0) or 0)
+    if not shared:
+        return 0
+    pc = moe.moe_parallel_config
+    if pc.use_ep and pc.ep_size > 1 and getattr(moe, "rocm_aiter_fmoe_enabled", False):
+        return ("fused shared experts with EP under AITER (its routing buffer has top_k + shared + 1 slots and "
+                "sends each token's shared slot to one rank)")
+    emap = layer._expert_map
+    if emap is not None and emap.numel() != moe.num_experts + shared:
+        return (f"fused shared experts: vLLM's expert map has {emap.numel()} entries, not the "
+                f"{moe.num_experts} routed + {shared} shared experts")
+    return shared
 
 
 class AtomMoEMethod(FusedMoEMethodBase):
