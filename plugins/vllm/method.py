@@ -192,7 +192,7 @@ def plan_layer(layer: RoutedExperts, inner: FusedMoEMethodBase, moe) -> LayerPla
     if layer.apply_router_weight_on_input:
         return "apply_router_weight_on_input=True"
     if moe.num_experts != moe.num_logical_experts and not pc.enable_eplb:
-        return "redundant or fused shared experts"
+        return "redundant experts without EPLB"
     if moe.intermediate_pad is not None:
         return f"intermediate_pad={moe.intermediate_pad}"
     if pc.pcp_size > 1:
