@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -151,6 +151,36 @@ def build_fused_op(spec: MoESpec, group, cpu_group, *, tokens: int, decode_token
                              f"the token budget or set {FLAG_DECODE_TOKENS}=0 (one MegaMoE)")
     return MegaMoEInstances(spec, group, cpu_group=cpu_group, max_tokens_per_rank=tokens,
                             decode_tokens=decode_tokens, transport=transport, experts_backend=backend, device=device)
+
+
+def bind_layer(plan, weights, *, decode_tokens: int | None, device: torch.device, shared: dict,
+               ep_groups: Callable[[], tuple], agreed_tokens: Callable[[], int | None]) -> tuple[object, str]:
+    """(the layer shape's MegaMoE op(s) or experts workspace, this layer's handle for atom_moe.ops).
+
+    The op or workspace is built once per layer shape and kept in `shared` (every layer of that shape
+    binds its own weights to it, per call); `ep_groups()` gives the EP (device, cpu) groups, asked only
+    when a fused op is built; `agreed_tokens` is the engine's DP-wide token count, which picks the
+    decode or the prefill op of a pair. `plan` carries spec, fused, backend, tokens and transport.
+    """
+    from .. import ops
+
+    key = (plan.spec, plan.fused, plan.backend, plan.tokens, decode_tokens, device)
+    if key not in shared:
+        if plan.fused:
+            group, cpu_group = ep_groups()
+            shared[key] = build_fused_op(plan.spec, group, cpu_group, tokens=plan.tokens, decode_tokens=decode_tokens,
+                                         transport=plan.transport, backend=plan.backend, device=device)
+        elif plan.backend == "triton":
+            from ..experts import allocate_workspace
+
+            shared[key] = allocate_workspace(plan.spec, plan.tokens, device)
+        else:
+            shared[key] = None  # experts_torch needs no workspace
+    runtime = shared[key]
+    if plan.fused:
+        return runtime, ops.bind_mega_moe(runtime, weights,
+                                          agreed_tokens=agreed_tokens if decode_tokens is not None else None)
+    return runtime, ops.bind_experts(weights, plan.spec, backend=plan.backend, workspace=runtime)
 
 
 def versions() -> dict[str, str]:

@@ -63,6 +63,43 @@ def hf_checkpoint(scheme: str, gen: torch.Generator, num_experts: int, hidden: i
     return tensors, ReferenceWeights(torch.stack(g), torch.stack(u), torch.stack(d), tuple(range(E)))
 
 
+def random_placement(num_experts: int, redundant: int, gen: torch.Generator) -> list[int]:
+    """An EPLB physical -> logical map: every expert once plus `redundant` replicas of two hot ones, shuffled
+    (the same on every rank, given the same generator state)."""
+    hot = torch.randperm(num_experts, generator=gen)[:2]
+    phys = list(range(num_experts)) + hot[torch.randint(0, 2, (redundant,), generator=gen)].tolist()
+    return [phys[i] for i in torch.randperm(len(phys), generator=gen).tolist()]
+
+
+def record_instance_calls(pair, decode_tokens: int, prefill_tokens: int) -> list[str]:
+    """Check a decode/prefill MegaMoE pair's capacities; the returned list gets the op each forward runs."""
+    from atom_moe.ep import MegaMoEInstances
+
+    assert isinstance(pair, MegaMoEInstances), type(pair)
+    assert pair.decode.max_tokens_per_rank == decode_tokens, pair.decode.max_tokens_per_rank
+    assert pair.prefill.max_tokens_per_rank == prefill_tokens > decode_tokens, pair.prefill.max_tokens_per_rank
+    ran = []
+    for name in ("decode", "prefill"):
+        op = getattr(pair, name)
+        op.forward = lambda *a, _f=op.forward, _n=name, **k: (ran.append(_n), _f(*a, **k))[1]
+    return ran
+
+
+def plant_a8w4_bug(plant: str, mxfp4_act, monkeypatch, module) -> None:
+    """One planted bug the a8w4 bitwise check must catch: 'a16w4_ran' (the fp8 request never reaches the
+    layer) or 'gate_up_swap' (the engine's interleaved rows read as separated halves, via module.plan_layer)."""
+    from dataclasses import replace
+
+    from atom_moe.layouts.gate_up import GateUpLayout
+
+    if plant == "a16w4_ran":
+        mxfp4_act("bf16")
+        return
+    mxfp4_act("fp8")
+    real = module.plan_layer
+    monkeypatch.setattr(module, "plan_layer", lambda *a: replace(real(*a), layout=GateUpLayout.SEPARATED))
+
+
 def activation_of(scheme: str) -> Activation:
     """The layers' activation: gpt-oss's clamped SwiGLU for the MXFP4 (gpt-oss style) layer, else SiLU.
 

@@ -284,17 +284,11 @@ def test_mxfp4_fp8_flag_runs_our_a8w4(runtime, mxfp4_act):
 @pytest.mark.parametrize("plant", ["a16w4_ran", "gate_up_swap"])
 def test_planted_bug_fails_the_a8w4_check(runtime, mxfp4_act, monkeypatch, plant):
     """The check above must catch a16w4 running where fp8 was asked, and gate/up rows mispaired at load."""
-    from dataclasses import replace
+    from engine_common import plant_a8w4_bug
 
-    from atom_moe.layouts.gate_up import GateUpLayout
     from atom_moe.spec import Scheme
 
-    if plant == "a16w4_ran":
-        mxfp4_act("bf16")  # the planted bug: the fp8 request never reached the layer
-    else:
-        mxfp4_act("fp8")
-        real = hooks.plan_layer  # the planted bug: SGLang's interleaved rows read as separated halves
-        monkeypatch.setattr(hooks, "plan_layer", lambda *a: replace(real(*a), layout=GateUpLayout.SEPARATED))
+    plant_a8w4_bug(plant, mxfp4_act, monkeypatch, hooks)
     state, out, x, w, ids, tensors, _ = _mxfp4_layer_run(32)
     assert state.plan.spec.scheme is (Scheme.A16W4 if plant == "a16w4_ran" else Scheme.A8W4)
     with pytest.raises(AssertionError, match="elements differ"):

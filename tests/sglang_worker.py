@@ -42,6 +42,7 @@ import torch  # noqa: E402
 from sglang.srt.plugins import load_plugins  # noqa: E402
 
 import sglang_common as c  # noqa: E402
+from engine_common import random_placement, record_instance_calls  # noqa: E402
 
 
 def start(dp: bool, **extra) -> None:
@@ -77,13 +78,6 @@ def check_limit() -> None:
 REDUNDANT = 2
 
 
-def random_map(gen: torch.Generator) -> list[int]:
-    """Every logical expert once plus REDUNDANT replicas of two hot ones, shuffled (the same on every rank)."""
-    hot = torch.randperm(c.E, generator=gen)[:2]
-    phys = list(range(c.E)) + hot[torch.randint(0, 2, (REDUNDANT,), generator=gen)].tolist()
-    return [phys[i] for i in torch.randperm(len(phys), generator=gen).tolist()]
-
-
 def eplb() -> None:
     """SGLang's EPLB around our layer: its placement, its top-k mapping, its rearrangement mid-run."""
     from sglang.srt.eplb import expert_location as el
@@ -109,7 +103,7 @@ def eplb() -> None:
                                                    logical_to_all_physical_map=every, moe_ep_rank=rank)
 
     gen = torch.Generator().manual_seed(seed)  # same placements and weights on every rank
-    first = random_map(gen)
+    first = random_placement(c.E, REDUNDANT, gen)
     el.set_global_expert_location_metadata(meta(first), allow_overwrite=True)
     if mode == "eplb_plant":  # the planted bug: SGLang's rearrangement does not see our tensors
         hooks.expose_for_eplb = lambda layer, weights: []
@@ -141,9 +135,9 @@ def eplb() -> None:
         assert all(same), f"step {step}: slot tensors differ from the placement {p2l}: {same}"
 
     check(0, first)
-    second = random_map(gen)
+    second = random_placement(c.E, REDUNDANT, gen)
     while second == first:
-        second = random_map(gen)
+        second = random_placement(c.E, REDUNDANT, gen)
     listed = [p.data for n, p in layer.named_parameters()  # what the models' get_moe_weights() hand SGLang
               if filter_moe_weight_param_global_expert(n, p, layer.num_local_experts)]
     ptrs = [t.data_ptr() for t in slot_tensors(state.weights)]
@@ -288,18 +282,12 @@ def switch_steps(layer, ref) -> None:
     """Decode and prefill steps through SGLang's FusedMoE; the op is picked by the DP-wide count."""
     from sglang.srt.layers.dp_attention import set_dp_buffer_len
 
-    from atom_moe.ep import MegaMoEError, MegaMoEInstances
+    from atom_moe.ep import MegaMoEError
     from atom_moe.plugins.sglang.hooks import dp_max_tokens
 
     state = layer.atom_moe
     pair = state.op
-    assert isinstance(pair, MegaMoEInstances), type(pair)
-    assert pair.decode.max_tokens_per_rank == 8 and pair.prefill.max_tokens_per_rank == state.plan.tokens > 8
-    ran = []
-    for name in ("decode", "prefill"):
-        op = getattr(pair, name)
-        forward = op.forward
-        op.forward = lambda *a, _f=forward, _n=name, **k: (ran.append(_n), _f(*a, **k))[1]
+    ran = record_instance_calls(pair, 8, state.plan.tokens)
     tok = torch.Generator().manual_seed(seed * 131 + rank)
 
     def step(counts, view=None):

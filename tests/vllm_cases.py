@@ -363,16 +363,11 @@ def test_mxfp4_fp8_flag_runs_our_a8w4(configs, seed, mxfp4_act, monkeypatch):
 @pytest.mark.parametrize("plant", ["a16w4_ran", "gate_up_swap"])
 def test_planted_bug_fails_the_a8w4_check(configs, seed, mxfp4_act, monkeypatch, plant):
     """The check above must catch a16w4 running where fp8 was asked, and gate/up rows mispaired at load."""
-    from dataclasses import replace
+    from engine_common import plant_a8w4_bug
 
     from atom_moe.plugins.vllm import method as m
 
-    if plant == "a16w4_ran":
-        mxfp4_act("bf16")  # the planted bug: the fp8 request never reached the layer
-    else:
-        mxfp4_act("fp8")
-        real = m.plan_layer  # the planted bug: vLLM's interleaved rows read as separated halves
-        monkeypatch.setattr(m, "plan_layer", lambda *a: replace(real(*a), layout=GateUpLayout.SEPARATED))
+    plant_a8w4_bug(plant, mxfp4_act, monkeypatch, m)
     method, out, (x, w, ids), tensors, _, _ = _mxfp4_layer_run(configs["mxfp4"], seed, monkeypatch)
     assert method.plan.spec.scheme is (Scheme.A16W4 if plant == "a16w4_ran" else Scheme.A8W4)
     with pytest.raises(AssertionError, match="elements differ"):

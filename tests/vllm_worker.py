@@ -53,6 +53,7 @@ from vllm.forward_context import set_forward_context  # noqa: E402
 from vllm.plugins import load_general_plugins  # noqa: E402
 
 import vllm_cases as cases  # noqa: E402
+from engine_common import random_placement, record_instance_calls  # noqa: E402
 from atom_moe.plugins.vllm.method import AtomMoEMethod  # noqa: E402
 
 
@@ -77,13 +78,6 @@ def eplb_map_twin(topk_ids, expert_load_view, logical_to_physical_map, logical_r
             keep &= token < int(num_unpadded_tokens)
         expert_load_view.index_add_(0, phys[keep], torch.ones_like(phys[keep], dtype=expert_load_view.dtype))
     return phys.to(topk_ids.dtype)
-
-
-def random_map(gen: torch.Generator) -> list[int]:
-    """Every logical expert once plus REDUNDANT replicas of two hot ones, shuffled (the same on every rank)."""
-    hot = torch.randperm(cases.E, generator=gen)[:2]
-    phys = list(range(cases.E)) + hot[torch.randint(0, 2, (REDUNDANT,), generator=gen)].tolist()
-    return [phys[i] for i in torch.randperm(len(phys), generator=gen).tolist()]
 
 
 def tables(p2l: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,7 +151,7 @@ def eplb(cfg) -> None:
         assert all(same), f"step {step}: our slot tensors differ from the placement {p2l}: {same}"
 
     check(0)
-    new = random_map(gen)
+    new = random_placement(cases.E, REDUNDANT, gen)
     ptrs = [t.data_ptr() for t in slot_tensors(method.weights)]
     old = torch.tensor([p2l])
     buffers = [torch.empty_like(w) for w in listed]
@@ -315,17 +309,11 @@ def main() -> None:
 
 def switch_steps(runner, method, cfg, ref) -> None:
     """Decode and prefill steps through vLLM's MoERunner; the op is picked by the DP-wide count."""
-    from atom_moe.ep import MegaMoEError, MegaMoEInstances
+    from atom_moe.ep import MegaMoEError
     from atom_moe.plugins.vllm.method import dp_max_tokens
 
     pair = method._op
-    assert isinstance(pair, MegaMoEInstances), type(pair)
-    assert pair.decode.max_tokens_per_rank == 8 and pair.prefill.max_tokens_per_rank == method.plan.tokens > 8
-    ran = []
-    for name in ("decode", "prefill"):
-        op = getattr(pair, name)
-        forward = op.forward
-        op.forward = lambda *a, _f=forward, _n=name, **k: (ran.append(_n), _f(*a, **k))[1]
+    ran = record_instance_calls(pair, 8, method.plan.tokens)
     tok = torch.Generator().manual_seed(seed * 131 + rank)
     # (tokens per DP rank, the op every rank must run): a peer's count alone can move both to prefill
     steps = (((3, 5), "decode"), ((8, 8), "decode"), ((2, 20), "prefill"), ((23, 28), "prefill"), ((1, 6), "decode"))

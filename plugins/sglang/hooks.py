@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...weights import PreparedWeights
-from ..common import FLAG_FUSED, Flags, Mode, build_fused_op, decode_capacity, warn_once
+from ..common import FLAG_FUSED, Flags, Mode, bind_layer, decode_capacity, warn_once
 from .weights import LayerPlan, build_weights, eplb_active, expose_for_eplb, plan_layer
 
 # the package's logger, by name: the package imports this module, so importing it back would be a cycle
@@ -79,31 +79,18 @@ def _build_runtime(state: LayerState, device: torch.device) -> None:
     capacity (ATOM_MOE_DECODE_TOKENS), picked per step by SGLang's DP-wide token counts.
     """
     plan = state.plan
-    decode = _decode_tokens(plan)
-    key = (plan.spec, plan.fused, plan.backend, plan.tokens, decode, device)
-    if key not in _shared:
-        if plan.fused:
-            from sglang.srt.distributed.parallel_state import get_moe_ep_group
 
-            ep = get_moe_ep_group()
-            _shared[key] = build_fused_op(plan.spec, ep.device_group, ep.cpu_group, tokens=plan.tokens,
-                                          decode_tokens=decode, transport=plan.transport, backend=plan.backend,
-                                          device=device)
-        elif plan.backend == "triton":
-            from ...experts import allocate_workspace
+    def ep_groups():
+        from sglang.srt.distributed.parallel_state import get_moe_ep_group
 
-            _shared[key] = allocate_workspace(plan.spec, plan.tokens, device)
-        else:
-            _shared[key] = None  # experts_torch needs no workspace
-    from ... import ops
-
+        ep = get_moe_ep_group()
+        return ep.device_group, ep.cpu_group
+    runtime, state.handle = bind_layer(plan, state.weights, decode_tokens=_decode_tokens(plan), device=device,
+                                       shared=_shared, ep_groups=ep_groups, agreed_tokens=dp_max_tokens)
     if plan.fused:
-        state.op = _shared[key]
-        state.handle = ops.bind_mega_moe(state.op, state.weights,
-                                         agreed_tokens=dp_max_tokens if decode is not None else None)
+        state.op = runtime
     else:
-        state.workspace = _shared[key]
-        state.handle = ops.bind_experts(state.weights, plan.spec, backend=plan.backend, workspace=state.workspace)
+        state.workspace = runtime
 
 
 def _decode_tokens(plan: LayerPlan) -> int | None:

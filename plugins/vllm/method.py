@@ -35,7 +35,7 @@ from ...experts import choose_backend
 from ...layouts.gate_up import GateUpLayout
 from ...spec import Activation, ActivationKind, MoESpec, Scheme, SpecError
 from ...weights import PreparedWeights, prepare_stacked
-from ..common import (FLAG_FUSED, Flags, LimitError, Mode, build_fused_op, check_start_limits, decode_capacity,
+from ..common import (FLAG_FUSED, Flags, LimitError, Mode, bind_layer, check_start_limits, decode_capacity,
                       fused_transport, layer_spec, local_experts_from_map, tokens_per_rank, warn_once)
 from ..eplb import eplb_problem, slot_views
 
@@ -343,29 +343,17 @@ class AtomMoEMethod(FusedMoEMethodBase):
         decode capacity (ATOM_MOE_DECODE_TOKENS), picked per step by vLLM's DP-wide token count.
         """
         plan = self.plan
-        decode = decode_capacity(_flags, plan.tokens) if plan.fused else None
-        spec, key = plan.spec, (plan.spec, plan.fused, plan.backend, plan.tokens, decode, device)
-        if key not in _shared:
-            if plan.fused:
-                ep = get_ep_group()
-                _shared[key] = build_fused_op(spec, ep.device_group, ep.cpu_group, tokens=plan.tokens,
-                                              decode_tokens=decode, transport=plan.transport, backend=plan.backend,
-                                              device=device)
-            elif plan.backend == "triton":
-                from ...experts import allocate_workspace
 
-                _shared[key] = allocate_workspace(spec, plan.tokens, device)
-            else:
-                _shared[key] = None  # experts_torch needs no workspace
-        from ... import ops
-
+        def ep_groups():
+            ep = get_ep_group()
+            return ep.device_group, ep.cpu_group
+        runtime, self._handle = bind_layer(plan, self.weights, shared=_shared, device=device, ep_groups=ep_groups,
+                                           decode_tokens=decode_capacity(_flags, plan.tokens) if plan.fused else None,
+                                           agreed_tokens=dp_max_tokens)
         if plan.fused:
-            self._op = _shared[key]
-            self._handle = ops.bind_mega_moe(self._op, self.weights,
-                                             agreed_tokens=dp_max_tokens if decode is not None else None)
+            self._op = runtime
         else:
-            self._workspace = _shared[key]
-            self._handle = ops.bind_experts(self.weights, spec, backend=plan.backend, workspace=self._workspace)
+            self._workspace = runtime
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
         """This rank's MoE output for x (vLLM runs shared experts and the TP/EP all-reduce itself).
