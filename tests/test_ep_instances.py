@@ -23,6 +23,7 @@ from atom_moe.spec import MoESpec
 from atom_moe.tools.synthetic import random_layer, random_tokens
 from atom_moe.weights import prepare_stacked
 from atom_moe.ep.launch import free_port
+from engine_common import record_instance_calls
 from test_ep_multiproc import _clean_env, _wait, assert_all_passed
 
 WORKER = Path(__file__).with_name("ep_instances_worker.py")
@@ -106,11 +107,7 @@ def test_custom_op_takes_the_engines_agreed_count(seed):
                             device="cpu")
     agreed = [0]
     handle = ops.bind_mega_moe(pair, weights, agreed_tokens=lambda: agreed[0])
-    ran = []
-    for name in ("decode", "prefill"):
-        op = getattr(pair, name)
-        forward = op.forward
-        op.forward = lambda *a, _f=forward, _n=name, **k: (ran.append(_n), _f(*a, **k))[1]
+    ran = record_instance_calls(pair, 4, 16)
     g = torch.Generator().manual_seed(seed)
     for T, engine_max in ((3, 3), (3, 9), (4, 4), (8, 8)):  # (3, 9): a peer DP rank brought 9 tokens
         agreed[0] = engine_max
@@ -135,11 +132,7 @@ def test_graphs_captured_for_decode_sizes_replay_the_decode_op(seed):
                             device="cuda")
     pair.warmup(weights, seed=seed)
     pair.bind(weights)
-    ran = []
-    for name in ("decode", "prefill"):
-        op = getattr(pair, name)
-        forward = op.forward
-        op.forward = lambda *a, _f=forward, _n=name, **k: (ran.append(_n), _f(*a, **k))[1]
+    ran = record_instance_calls(pair, 8, 64)
     g = torch.Generator().manual_seed(seed)
     for T, want in ((1, "decode"), (8, "decode"), (9, "prefill"), (64, "prefill")):
         x, w, ids = random_tokens(spec, T, generator=g, device="cuda")
