@@ -187,13 +187,14 @@ def make_batches(seed: int) -> list[torch.Tensor]:
     return [torch.randint(1, 512, (2, 24), generator=g).cuda(), torch.randint(1, 512, (3, 17), generator=g).cuda()]
 
 
-def graphed_greedy(model, step, input_ids) -> tuple[torch.Tensor, torch.Tensor]:
+def graphed_greedy(model, step, input_ids, after_replay=None) -> tuple[torch.Tensor, torch.Tensor]:
     """generate()'s greedy decoding with a static cache, each decode step one CUDA-graph replay of `step`.
 
     `step` is the model's forward under torch.compile (Inductor, no cudagraph trees). The prefill
     runs eagerly; the decode step is warmed up (compiled) on a side stream, captured once per batch
     shape, and replayed NEW_TOKENS - 1 times with the next token and position written into the
     graph's static inputs, so every replay routes new tokens. Returns (tokens, logprobs) as generate().
+    `after_replay(step_index)`, if given, runs after each replay (diagnostics read the graph's buffers).
     """
     from transformers import StaticCache
 
@@ -225,6 +226,8 @@ def graphed_greedy(model, step, input_ids) -> tuple[torch.Tensor, torch.Tensor]:
     tokens, logprobs = [ids[:, 0].clone()], [logits.float().log_softmax(-1)]
     for _ in range(NEW_TOKENS - 1):
         graph.replay()
+        if after_replay is not None:
+            after_replay(len(tokens))
         position += 1
         logprobs.append(out.float().log_softmax(-1))
         ids.copy_(out.argmax(-1, keepdim=True))
@@ -232,7 +235,7 @@ def graphed_greedy(model, step, input_ids) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack(tokens, 1), torch.stack(logprobs, 1)
 
 
-def compiled_runs(model, batches, counted=()) -> list:
+def compiled_runs(model, batches, counted=(), after_replay=None) -> list:
     """graphed_greedy on each batch, twice over (fresh captures the second time), with one fresh compile.
 
     `counted`: our experts modules, whose call counters show that the replays ran no Python.
@@ -243,7 +246,7 @@ def compiled_runs(model, batches, counted=()) -> list:
     for _ in range(2):
         for ids in batches:
             before = sum(e.calls for e in counted)
-            runs.append(graphed_greedy(model, step, ids))
+            runs.append(graphed_greedy(model, step, ids, after_replay))
             # per MoE layer: the eager prefill, two warm-up steps and the capture run the op's Python
             # body; the NEW_TOKENS - 1 replays must not
             assert sum(e.calls for e in counted) - before <= 4 * len(counted), "a replay ran the op's Python body"
