@@ -14,6 +14,9 @@ Before timing, the decode and prefill outputs are compared with the exact op's, 
 (max |diff| <= 1e-2 max |exact|): a row is written only after that check passed, and the script
 exits 1 if any failed. The W ranks share one HBM: the rows compare capacities, not multi-GPU speed.
 
+`--kernels` also prints, per op and T, each GPU kernel's time per forward (torch.profiler, not
+graphed): where an op's extra time over the exact op goes.
+
 On a machine without CUDA (`--device cpu`, under TRITON_INTERPRET=1) the same code runs at a tiny
 shape with one wall-clock call per op: a check of the script, not a measurement.
 """
@@ -47,6 +50,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     p.add_argument("--out", type=Path, default=Path("ep_instances_bench.csv"))
+    p.add_argument("--kernels", action="store_true", help="print per-kernel GPU time per forward (torch.profiler)")
     args = p.parse_args(argv)
     if any(t < 1 or t > args.decode_capacity for t in args.tokens):
         p.error(f"--tokens must lie in [1, --decode-capacity={args.decode_capacity}] (decode batches)")
@@ -73,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     from atom_moe.experts import device_name
     from atom_moe.kernels.tuning import lookup
     from atom_moe.spec import MoESpec
-    from atom_moe.tools.common import SHAPES, Timer, cfg_str, random_weights, write_csv
+    from atom_moe.tools.common import SHAPES, Timer, cfg_str, kernel_times, random_weights, write_csv
 
     dev, W = args.device, args.ep
     H, I, E, k = SHAPES[args.shape] if dev == "cuda" else TINY
@@ -119,6 +123,11 @@ def main(argv: list[str] | None = None) -> int:
                     start = time.perf_counter()
                     forward(n)
                     us[n] = (time.perf_counter() - start) * 1e6
+            if args.kernels and dev == "cuda":
+                for n in groups:
+                    print(f"kernels {scheme} T={T} {n} (capacity {groups[n].capacity}):", flush=True)
+                    for key, (k_us, launches) in list(kernel_times(lambda n=n: forward(n)).items())[:10]:
+                        print(f"  {k_us:9.1f} us  x{launches:<3d} {key[:90]}", flush=True)
             for n, g in groups.items():
                 rows.append(dict(device=name, shape=shape, scheme=scheme, ep=W, tokens_per_rank=T, impl=n,
                                  capacity=g.capacity, us=round(us[n], 2), vs_exact=round(us[n] / us["exact"], 4),

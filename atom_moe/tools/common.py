@@ -65,6 +65,24 @@ class Timer:
         return statistics.median(times)
 
 
+def kernel_times(fn: Callable[[], object], iters: int = 10) -> dict[str, tuple[float, int]]:
+    """Per GPU kernel of fn(): (device us per call, launches per call), from torch.profiler over iters calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages():
+        us = event.self_device_time_total
+        if us > 0:
+            times[event.key] = (us / iters, event.count // iters)
+    return dict(sorted(times.items(), key=lambda kv: -kv[1][0]))
+
+
 def _read_kernel():
     import triton
     import triton.language as tl
