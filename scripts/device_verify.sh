@@ -3,7 +3,7 @@
 # network), then run what is named: `tests` (every gpu-marked test plus the given files in full)
 # or `transformers` (tests/test_transformers_gpu.py, one process per case) or `demo` (the demo cold, with an empty Triton cache, then warm; and a short bench)
 # or `all` (one call: the gpu-marked tests on 4 pytest workers beside the two transformers cases, then,
-# alone on the GPU, the EPLB and decode/prefill measurements and a vLLM-baseline bench when
+# alone on the GPU, the EPLB and decode/prefill measurements (with per-kernel times in ep-instances.log) and a vLLM-baseline bench when
 # .cache/vllm-0.33.0 came along).
 # Logs go to $OUT. Usage: bash scripts/device_verify.sh tests [FILES...] | transformers | demo | all
 set -uo pipefail
@@ -66,7 +66,9 @@ all)
     echo "== EPLB measurement [$(date +%T)]"
     timeout 100 python3 scripts/eplb_bench.py --csv "$out/eplb-h200.csv" 2>&1 | tail -8
     echo "== decode/prefill instances [$(date +%T)]"
-    timeout 100 python3 scripts/ep_instances_bench.py --out "$out/ep-instances-h200.csv" 2>&1 | tail -12
+    timeout 150 python3 scripts/ep_instances_bench.py --kernels --out "$out/ep-instances-h200.csv" \
+        >"$out/ep-instances.log" 2>&1
+    grep -v "^ \|^kernels" "$out/ep-instances.log" | tail -12
     if [ -d .cache/vllm-0.33.0 ]; then
         echo "== vLLM baseline bench [$(date +%T)]"
         timeout 120 python3 -m atom_moe.tools.cli bench --shapes deepseek-v3 --schemes bf16 fp8 --tokens 1 128 \
