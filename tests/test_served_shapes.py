@@ -142,6 +142,22 @@ def test_tune_keys_of_the_served_presets():
         assert [k.tokens for k, _, _ in keys] == [ep * 1, ep * 8192] * 2
 
 
+def test_tune_runs_a_served_preset_end_to_end(tmp_path, monkeypatch, seed):
+    # `atom-moe tune`'s flow on GLM-5.2's geometry (E 257, the shared slot, k 9) at H = I = 64, EP 1 and 2: the
+    # real op and reference check, two candidates, a fake timer; the rows carry the keys the lookup asks
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    spec = scaled_down(preset("glm-5.2-tp8", scheme="bf16"), hidden_size=64, intermediate_size=64, num_experts=257)
+    other = tuning.TileConfig(32, 64, 64, 4, 3, 64, 64, 4, 3)
+    monkeypatch.setattr(tune, "FAMILIES", {"triton": lambda key, space: [
+        tuning.heuristic(key.scheme, key.H, key.I, key.E, key.top_k, key.tokens), other]})
+    out = tmp_path / "served.csv"
+    for ep in (1, 2):
+        results = tune.run_tuning(spec, schemes=[Scheme.BF16], ep=ep, tokens=[2], out=out, timer=lambda fn: 5.0,
+                                  device=torch.device("cpu"), seed=seed, log=lambda *a: None)
+        assert len(results) == 1 and all(not tr.dropped and tr.error < 1e-2 for tr in results[0].trials)
+    assert {(k.E, k.top_k, k.tokens) for k in tune.read_done(out)} == {(257, 9, 2), (129, 9, 4)}
+
+
 # ---------------------------------------------------------------- the kernels at scaled-down served shapes
 # name, scheme, H, I, tokens, also the two-launch sort: H and I keep off the tile widths (I % 128 != 0
 # everywhere, I % 64 != 0 for the a8w4 rows), E and top-k are the served ones
