@@ -248,3 +248,54 @@ def test_served_glm_over_two_simulated_ranks(seed):
         ref = _oracle(spec, ref_w, xs[r].cpu(), ws[r].cpu(), ts[r].cpu(), act_quant=False)
         assert torch.isfinite(outs[r]).all()
         assert rel_err(outs[r].cpu(), ref) <= 1e-2 and _row_errs(outs[r].cpu(), ref).max() <= 3e-2, r
+
+
+# ---------------------------------------------------------------- real served dims (GPU)
+def _served_path(spec, device: str, tokens: tuple[int, ...], gen: torch.Generator, graph: bool) -> None:
+    """fused_experts on the bench's random weights and routing (fused shared slot last) at each T vs the torch
+    twin, every row; with graph, a CUDA graph captured at the first T replays new routing exactly as eager."""
+    H, E, k = spec.hidden_size, spec.num_experts, spec.top_k
+    p = common.random_weights(spec, device)
+    ws = allocate_workspace(spec, max(tokens), device)
+    for T in tokens:
+        w, ids = common.make_routing(T, E, k, "uniform", gen, spec.shared_experts)
+        x = torch.randn(T, H, device=device, generator=gen).to(torch.bfloat16)
+        out = torch.full((T, H), float("nan"), device=device, dtype=torch.bfloat16)
+        got = fused_experts(x, w, ids, p, spec, workspace=ws, out=out)
+        twin = experts_torch(x, w, ids, p, spec)
+        assert torch.isfinite(got).all(), T
+        assert rel_err(got, twin) <= 1e-2 and _row_errs(got, twin).max() <= 3e-2, T
+    if not graph:
+        return
+    T = tokens[0]
+    w, ids = common.make_routing(T, E, k, "uniform", gen, spec.shared_experts)
+    x = torch.randn(T, H, device=device, generator=gen).to(torch.bfloat16)
+    out = torch.empty_like(x)
+    fused_experts(x, w, ids, p, spec, workspace=ws, out=out)  # compiled before the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fused_experts(x, w, ids, p, spec, workspace=ws, out=out)
+    for _ in range(3):
+        w2, ids2 = common.make_routing(T, E, k, "skewed", gen, spec.shared_experts)
+        w.copy_(w2), ids.copy_(ids2), x.normal_(generator=gen)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, fused_experts(x, w, ids, p, spec, workspace=ws))
+
+
+def test_served_path_helper_on_the_cpu(seed):
+    # the GPU test's helper at H = I = 64 under the interpreter (E 257, the shared slot, k 9; no graph)
+    spec = common.bench_spec("glm-5.2-tp8", "bf16", hidden_size=64, intermediate_size=64)
+    _served_path(spec, DEVICE if DEVICE == "cpu" else "cuda", (1, 5), torch.Generator(DEVICE).manual_seed(seed),
+                 graph=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,scheme", [(n, s) for n in SERVED for s in
+                                         dict.fromkeys([preset(n).scheme.value, "a8w4"])])
+def test_served_shapes_on_the_gpu(seed, name, scheme):
+    # the real H, I, E, top-k: 1 and 8 tokens (counter combine), 128 (separate), 700 (> 4096 pairs: the
+    # two-launch routing sort), then graph replays of new routing at 8 tokens
+    gen = torch.Generator("cuda").manual_seed(seed)
+    _served_path(common.bench_spec(name, scheme), "cuda", (8, 1, 128, 700), gen, graph=True)

@@ -29,8 +29,8 @@ def bench_spec(name: str, scheme: str, **fields) -> MoESpec:
     """The bench layer of shape `name` in `scheme`: its H, I, E, top_k and fused shared experts (default
     SwiGLU and routing: the benchmarks hand the kernels their ids), with `fields` overriding."""
     H, I, E, k = SHAPES[name]
-    return MoESpec(hidden_size=H, intermediate_size=I, num_experts=E, top_k=k, scheme=scheme,
-                   shared_experts=SHARED[name], **fields)
+    shape = dict(hidden_size=H, intermediate_size=I, num_experts=E, top_k=k, shared_experts=SHARED[name])
+    return MoESpec(**{**shape, "scheme": scheme, **fields})
 
 
 TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
