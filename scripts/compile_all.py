@@ -95,7 +95,9 @@ def _exercise() -> None:
     from atom_moe.ep.simulate import SimulatedSymmGroup
     from atom_moe.ep.symm import FUSED, SPLIT
     from atom_moe.experts import fused_experts
-    from atom_moe.spec import MoESpec
+    from dataclasses import replace
+
+    from atom_moe.spec import Activation, ActivationKind, MoESpec
     from atom_moe.tools.synthetic import random_layer, random_tokens
     from atom_moe.weights import prepare_stacked
 
@@ -109,6 +111,8 @@ def _exercise() -> None:
         weights = prepare_stacked(spec, raw.w13, raw.w2, layout="separated")
         x, w, ids = random_tokens(spec, T, generator=g)
         fused_experts(x, w, ids, weights, spec)  # the table's or heuristic's own pick
+        clamped = replace(spec, activation=Activation(ActivationKind.SWIGLU_CLAMP, limit=10.0))  # DeepSeek-V4's
+        fused_experts(x, w, ids, weights, clamped)
         fused_experts(x, w, ids, weights, spec, combine="separate")
         for config in configs.get(scheme, ()):
             fused_experts(x, w, ids, weights, spec, config=config)
