@@ -495,6 +495,19 @@ def test_deepseek_v4_planted_bug_fails(configs, seed, mxfp4_act, monkeypatch, pl
         assert_matches(out, _v4_expected(x, w, ids, ref, Scheme.A16W4))
 
 
+def test_generic_mxfp4_swigluoai_keeps_vllms_path(configs, monkeypatch):
+    """swigluoai on the generic Mxfp4MoEMethod: its gate/up rows depend on the model's loader, so not ours (on the
+    CPU vLLM's own no-kernel error then stands)."""
+    from atom_moe.plugins.vllm import method as m
+
+    plans = []
+    real = m.plan_layer
+    monkeypatch.setattr(m, "plan_layer", lambda *a: plans.append(real(*a)) or plans[-1])
+    with pytest.raises(NotImplementedError, match="No MXFP4 MoE backend"):
+        build_v4(configs["dsv4"], activation="swigluoai", swiglu_limit=None)
+    assert len(plans) == 1 and "swigluoai on the generic Mxfp4MoEMethod" in plans[0], plans
+
+
 def test_silu_limit_zero_keeps_vllms_path(configs, caplog):
     """swiglu_limit=0 means no clamp to vLLM's Triton kernels and a clamp at 0 to its CUDA op: not ours to pick.
     A bf16 layer falls back with one warning; the V4 MXFP4 layer, whose vLLM method has no CPU kernel, raises

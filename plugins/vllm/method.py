@@ -230,6 +230,10 @@ def plan_layer(layer: RoutedExperts, inner: FusedMoEMethodBase, moe) -> LayerPla
     if isinstance(act, str):
         return act
     activation, layout = act
+    if type(inner) is Mxfp4MoEMethod and activation.kind is ActivationKind.SWIGLU_OAI:
+        # gpt-oss's interleaved rows come with its own method and loader; a generic MXFP4 layer's rows follow its
+        # model's loader (per-expert w1/w3 halves, or 0.33's uninterleaved swigluoai): not assumed
+        return "swigluoai on the generic Mxfp4MoEMethod (its gate/up rows depend on the model; we take its silu layers)"
     device = torch.device(moe.device) if moe.device is not None else torch.device("cpu")
     backend = choose_backend(scheme, device)
     if backend is None:
