@@ -117,9 +117,10 @@ class Routing:
     """How router logits become (topk_weights, topk_ids).
 
     softmax: softmax over all experts, top-k.
-    sigmoid (sqrtsoftplus: sqrt(softplus(logit)), DeepSeek-V4): per-expert scores; with a correction bias the choice uses score + bias but the
-    weights use the score (DeepSeek-V3); grouped top-k keeps the `topk_group` best of
-    `n_group` groups, a group scored by the sum of its two best biased scores.
+    sigmoid (and sqrtsoftplus: sqrt(softplus(logit)), DeepSeek-V4): per-expert scores; with a
+    correction bias the choice uses score + bias but the weights use the score (DeepSeek-V3);
+    grouped top-k keeps the `topk_group` best of `n_group` groups, a group scored by the sum
+    of its two best biased scores.
     """
 
     scoring: Scoring = Scoring.SOFTMAX

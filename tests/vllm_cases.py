@@ -229,8 +229,11 @@ def test_flag_off_gives_vllms_own_classes():
     assert "atom_moe" not in out  # no start-up line, no warning: nothing changed
 
 
-@pytest.mark.parametrize("act, shown", [(None, "mxfp4 (gpt-oss; DeepSeek-V4 and other Mxfp4MoEMethod layers) as a16w4 (ATOM_MOE_MXFP4_ACT=bf16)"),
-                                         ("fp8", "mxfp4 (gpt-oss; DeepSeek-V4 and other Mxfp4MoEMethod layers) as a8w4 (ATOM_MOE_MXFP4_ACT=fp8)")])
+_MX = "mxfp4 (gpt-oss; DeepSeek-V4 and other Mxfp4MoEMethod layers)"
+
+
+@pytest.mark.parametrize("act, shown", [(None, f"{_MX} as a16w4 (ATOM_MOE_MXFP4_ACT=bf16)"),
+                                         ("fp8", f"{_MX} as a8w4 (ATOM_MOE_MXFP4_ACT=fp8)")])
 def test_flag_on_logs_one_startup_line_per_process(act, shown):
     out = _run_snippet(SNIPPET, {"ATOM_USE_FLYDSL": "1"} | ({"ATOM_MOE_MXFP4_ACT": act} if act else {}))
     assert "TYPES atom_moe.plugins.vllm.method AtomRoutedExperts AtomMoEMethod" in out

@@ -82,9 +82,11 @@ def config_scheme(config: dict, where: str = "config") -> Scheme:
 
 # The family is chosen from model_type, else from the architecture: never from the presence of one
 # key (transformers 5 writes num_local_experts into Qwen3-MoE configs, once read as gpt-oss).
-MODEL_TYPES = {"deepseek_v4": "deepseek_v4", "deepseek_v41": "deepseek_v4", "deepseek_v3": "deepseek", "deepseek_v2": "deepseek", "kimi_k2": "deepseek", "glm4_moe": "deepseek",
+MODEL_TYPES = {"deepseek_v4": "deepseek_v4", "deepseek_v41": "deepseek_v4",
+               "deepseek_v3": "deepseek", "deepseek_v2": "deepseek", "kimi_k2": "deepseek", "glm4_moe": "deepseek",
                "gpt_oss": "gpt_oss", "qwen3_moe": "qwen", "qwen2_moe": "qwen"}
-ARCHITECTURES = {"DeepseekV4ForCausalLM": "deepseek_v4", "DeepseekV3ForCausalLM": "deepseek", "DeepseekV2ForCausalLM": "deepseek",
+ARCHITECTURES = {"DeepseekV4ForCausalLM": "deepseek_v4",
+                 "DeepseekV3ForCausalLM": "deepseek", "DeepseekV2ForCausalLM": "deepseek",
                  "Glm4MoeForCausalLM": "deepseek", "GptOssForCausalLM": "gpt_oss",
                  "Qwen3MoeForCausalLM": "qwen", "Qwen2MoeForCausalLM": "qwen"}
 # the expert-count key of each family first, then the other spellings configs use for it
