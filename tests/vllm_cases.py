@@ -41,7 +41,7 @@ from engine_common import (INTER, SCHEMES, a8w4_spec, activation_of, assert_bitw
                            hf_checkpoint, our_mxfp4_twin)
 from atom_moe.layouts.gate_up import GateUpKind, GateUpLayout  # noqa: E402
 from atom_moe.reference import ReferenceWeights, reference_moe  # noqa: E402
-from atom_moe.spec import MoESpec, Scheme  # noqa: E402
+from atom_moe.spec import Activation, ActivationKind, MoESpec, Scheme  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 E, K, H = 8, 2, 256
@@ -444,9 +444,8 @@ def _v4_layer_run(cfg, seed: int, monkeypatch, std: float = 30.0):
     return experts.quant_method, out, given[0], ref
 
 
-def _v4_expected(x, w, ids, ref, scheme: Scheme, activation=None) -> torch.Tensor:
-    from atom_moe.spec import Activation, ActivationKind
-
+def v4_expected(x, w, ids, ref, scheme: Scheme, activation=None) -> torch.Tensor:
+    """The fp32 reference of the V4 layer (clamped SiLU unless `activation`), with a8w4's activation quant."""
     act = activation or Activation(ActivationKind.SWIGLU_CLAMP, limit=V4_LIMIT)
     return reference_moe(x, w, ids, ref, act, act_quant=Scheme.A8W4 if scheme is Scheme.A8W4 else None)
 
@@ -459,7 +458,6 @@ def test_deepseek_v4_mxfp4_layer_runs_ours(configs, seed, mxfp4_act, monkeypatch
     from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4MoEMethod
 
     from atom_moe.plugins.vllm.method import AtomMoEMethod
-    from atom_moe.spec import Activation, ActivationKind
 
     mxfp4_act(act)
     method, out, (x, w, ids), ref = _v4_layer_run(configs["dsv4"], seed, monkeypatch)
@@ -470,9 +468,9 @@ def test_deepseek_v4_mxfp4_layer_runs_ours(configs, seed, mxfp4_act, monkeypatch
     assert method.plan.layout is GateUpLayout.SEPARATED and not spec.has_bias
     assert method.weights.w13.kind is (GateUpKind.MX_QUADS if act == "fp8" else GateUpKind.MX_TILES)
     assert out.dtype == torch.bfloat16 and out.shape == x.shape
-    assert_matches(out, _v4_expected(x, w, ids, ref, scheme))
+    assert_matches(out, v4_expected(x, w, ids, ref, scheme))
     with pytest.raises(AssertionError, match="elements off"):  # the data make the clamp decide the result
-        assert_matches(out, _v4_expected(x, w, ids, ref, scheme, Activation()))
+        assert_matches(out, v4_expected(x, w, ids, ref, scheme, Activation()))
 
 
 @pytest.mark.parametrize("plant", ["clamp_ignored", "gate_up_swap"])
@@ -481,7 +479,6 @@ def test_deepseek_v4_planted_bug_fails(configs, seed, mxfp4_act, monkeypatch, pl
     from dataclasses import replace
 
     from atom_moe.plugins.vllm import method as m
-    from atom_moe.spec import Activation
 
     mxfp4_act("bf16")
     real = m.plan_layer
@@ -495,7 +492,7 @@ def test_deepseek_v4_planted_bug_fails(configs, seed, mxfp4_act, monkeypatch, pl
     monkeypatch.setattr(m, "plan_layer", planted)
     method, out, (x, w, ids), ref = _v4_layer_run(configs["dsv4"], seed, monkeypatch)
     with pytest.raises(AssertionError, match="elements off"):
-        assert_matches(out, _v4_expected(x, w, ids, ref, Scheme.A16W4))
+        assert_matches(out, v4_expected(x, w, ids, ref, Scheme.A16W4))
 
 
 def test_generic_mxfp4_swigluoai_keeps_vllms_path(configs, monkeypatch):
@@ -723,11 +720,12 @@ def test_tp_ep_two_ranks(scheme, seed):
     _launch("tp_ep", scheme, seed)
 
 
-@pytest.mark.parametrize("scheme", ["bf16", "mxfp4", "a8w4"])
+@pytest.mark.parametrize("scheme", ["bf16", "mxfp4", "a8w4", "dsv4_a8w4"])
 def test_dp_ep_fused_two_ranks(scheme, seed):
     """DP=2 attention + EP=2 with ATOM_USE_FLYDSL_FUSED=1: MegaMoE dispatches; vLLM must not.
 
-    a8w4: the gpt-oss layer with ATOM_MOE_MXFP4_ACT=fp8 (MegaMoE on a8w4 weights)."""
+    a8w4: the gpt-oss layer with ATOM_MOE_MXFP4_ACT=fp8 (MegaMoE on a8w4 weights); dsv4_a8w4: DeepSeek-V4's
+    fp4 experts (Mxfp4MoEMethod, clamped SiLU) the same way, the seed recipe's V4-Pro a8w4 fused layer."""
     _launch("dp_ep", scheme, seed)
 
 
