@@ -7,7 +7,9 @@ machine does not have (sm_90a: H100/H200; gfx942, gfx950: MI300X, MI355X). No GP
 The real launchers run on small CPU tensors with Triton's launch replaced by a recorder: the
 experts step (routing, GEMM1, GEMM2, the separate combine) for every scheme and every tile
 variant the tables or the heuristic can pick, and MegaMoE's
-symm transport (dispatch, barrier, combine) with two simulated ranks. Each distinct (kernel, argument types, compile-time values, warps, stages) is then
+symm transport (dispatch, barrier, combine) with two simulated ranks; then the same for the served
+presets' routing geometry (E 257 with a fused shared slot and top-k 9, E 384 with top-k 6) with the
+heuristic's picks for their real shapes, the two-launch routing sort included. Each distinct (kernel, argument types, compile-time values, warps, stages) is then
 compiled for each target, with the interpreter's workarounds (INTERP, EMULATE) off, as a GPU
 build has them. Kernel outputs are never computed: nothing here checks numbers (the
 interpreter tests do); it catches what only a GPU compile would (a triton upgrade that no
@@ -37,6 +39,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # @triton.jit would give interpre
 
 from atom_moe.kernels import common as kcommon  # noqa: E402
 from atom_moe.kernels import gemm1, gemm2, mxfp4, routing, transport, tuning  # noqa: E402
+from atom_moe.spec import MoESpec  # noqa: E402
 
 TARGETS = {"sm_90a": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942", 64),
            "gfx950": GPUTarget("hip", "gfx950", 64)}
@@ -92,10 +95,7 @@ def _record(self: JITFunction, *args, grid, warmup, **kwargs):
 
 def _exercise() -> None:
     """Run every launcher the ops use, with the recorder in place of Triton's launch."""
-    from atom_moe.ep.simulate import SimulatedSymmGroup
-    from atom_moe.ep.symm import FUSED, SPLIT
     from atom_moe.experts import fused_experts
-    from atom_moe.spec import MoESpec
     from atom_moe.tools.synthetic import random_layer, random_tokens
     from atom_moe.weights import prepare_stacked
 
@@ -113,12 +113,65 @@ def _exercise() -> None:
         for config in configs.get(scheme, ()):
             fused_experts(x, w, ids, weights, spec, config=config)
         for wire in ("bf16", "fp8") if spec.scheme.fp8_activations else ("bf16",):
-            specs = [spec.for_rank(r, 2) for r in range(2)]
-            mine = [prepare_stacked(s, raw.w13, raw.w2, layout="separated") for s in specs]
-            group = SimulatedSymmGroup(specs, T, wire)
-            xs, ws, ts = zip(*(random_tokens(spec, T, generator=g) for _ in specs))
-            outs = [torch.empty_like(xi) for xi in xs]
-            group.forward(mine, list(xs), list(ws), list(ts), outs, [FUSED, SPLIT])
+            _exercise_symm(spec, raw, wire, T, g)
+    _exercise_served(g)
+
+
+def _exercise_symm(spec, raw, wire: str, T: int, g: torch.Generator) -> None:
+    """MegaMoE's symm transport with two simulated ranks (fused shared experts: a replica on each)."""
+    from atom_moe.ep.simulate import SimulatedSymmGroup
+    from atom_moe.ep.symm import FUSED, SPLIT
+    from atom_moe.tools.synthetic import random_tokens
+    from atom_moe.weights import prepare_stacked
+    specs = [spec.for_rank(r, 2) for r in range(2)]
+    mine = [prepare_stacked(s, raw.w13, raw.w2, layout="separated") for s in specs]
+    group = SimulatedSymmGroup(specs, T, wire)
+    xs, ws, ts = zip(*(random_tokens(spec, T, generator=g) for _ in specs))
+    outs = [torch.empty_like(xi) for xi in xs]
+    group.forward(mine, list(xs), list(ws), list(ts), outs, [FUSED, SPLIT])
+
+
+def served_schemes(spec) -> tuple[str, ...]:
+    """A served preset's schemes: its own, and a8w4 too for MXFP4 (the plugins' ATOM_MOE_MXFP4_ACT=fp8)."""
+    return tuple(dict.fromkeys((spec.scheme.value,) + (("a8w4",) if spec.scheme.is_mxfp4 else ())))
+
+
+def served_configs(scheme: str, specs) -> list[tuning.TileConfig]:
+    """The heuristic's pick for each of `specs` (real shapes) at every token bucket."""
+    picks = {tuning.heuristic(scheme, s.hidden_size, s.intermediate_size, s.num_experts, s.top_k, tokens)
+             for s in specs for tokens in TOKENS}
+    return sorted(picks, key=str)
+
+
+def _exercise_served(g: torch.Generator) -> None:
+    """The served presets (atom_moe.presets.SERVED) in their schemes, at H = I = 64: the kernels specialize on
+    their E (257 with a fused shared slot, 384: 512 histogram bins), top-k (9, 6) and tiles, not on H and I
+    beyond their divisibility by 16, which 64 shares. Every heuristic pick for their real shapes with both
+    combines and the one- and two-launch routing sort, and the symm transport at EP 2 once per geometry."""
+    from atom_moe.experts import fused_experts
+    from atom_moe.presets import PRESETS, SERVED
+    from atom_moe.tools.synthetic import random_layer, random_tokens
+    from atom_moe.weights import prepare_stacked
+    H, I, T = 64, 64, 16
+    served = [PRESETS[name] for name in SERVED]
+    for E, K, S in sorted({(s.num_experts, s.top_k, s.shared_experts) for s in served}):
+        same = [s for s in served if (s.num_experts, s.top_k, s.shared_experts) == (E, K, S)]
+        for i, scheme in enumerate(served_schemes(same[0])):
+            spec = MoESpec.create(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, shared_experts=S,
+                                  scheme=scheme, max_tokens_per_rank=T)
+            raw = random_layer(spec, generator=g)
+            weights = prepare_stacked(spec, raw.w13, raw.w2, layout="separated")
+            x, w, ids = random_tokens(spec, T, generator=g)
+            for config in served_configs(scheme, same):
+                for combine in ("counter", "separate"):
+                    fused_experts(x, w, ids, weights, spec, config=config, combine=combine)
+                split, routing.SPLIT_PAIRS = routing.SPLIT_PAIRS, 0  # the two-launch sort of large T
+                try:
+                    fused_experts(x, w, ids, weights, spec, config=config)
+                finally:
+                    routing.SPLIT_PAIRS = split
+            if i == 0:
+                _exercise_symm(spec, raw, "fp8" if spec.scheme.fp8_activations else "bf16", T, g)
 
 
 def table_configs(schemes: tuple[str, ...]) -> dict[str, list[tuning.TileConfig]]:

@@ -61,9 +61,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def routing(T: int, E: int, k: int, gen: torch.Generator, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uniform random distinct experts per token, weights summing to 1."""
-    ids = torch.rand(T, E, generator=gen).topk(k, dim=1).indices.to(device, torch.int32)
+def routing(T: int, E: int, k: int, gen: torch.Generator, device: str,
+            shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uniform random distinct experts per token, weights summing to 1; fused shared experts in the last slots."""
+    ids = torch.rand(T, E - shared, generator=gen).topk(k - shared, dim=1).indices
+    ids = torch.cat([ids, torch.arange(E - shared, E).expand(T, shared)], dim=1).to(device, torch.int32)
     w = torch.rand(T, k, generator=gen) + 0.1
     return (w / w.sum(1, keepdim=True)).to(device), ids
 
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     from atom_moe.experts import device_name
     from atom_moe.kernels.tuning import lookup
     from atom_moe.spec import MoESpec
-    from atom_moe.tools.common import SHAPES, Timer, cfg_str, kernel_times, random_weights, write_csv
+    from atom_moe.tools.common import SHAPES, SHARED, Timer, cfg_str, kernel_times, random_weights, write_csv
 
     dev, W = args.device, args.ep
     H, I, E, k = SHAPES[args.shape] if dev == "cuda" else TINY
@@ -87,17 +89,18 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     rows, failed, t0 = [], [], time.monotonic()
     for scheme in args.schemes:
-        full = MoESpec(hidden_size=H, intermediate_size=I, num_experts=E, top_k=k, scheme=scheme)
+        S = SHARED[args.shape] if dev == "cuda" else 0  # fused shared experts: a replica on every rank
+        full = MoESpec(hidden_size=H, intermediate_size=I, num_experts=E, top_k=k, scheme=scheme, shared_experts=S)
         specs = [full.for_rank(r, W) for r in range(W)]
         weights = [random_weights(s, dev) for s in specs]
         wire = "fp8" if full.scheme.fp8_activations else "bf16"
         sized = {"decode": SimulatedSymmGroup(specs, args.decode_capacity, wire, dev),
                  "prefill": SimulatedSymmGroup(specs, args.prefill_capacity, wire, dev)}
         for T in args.tokens:
-            routed = [routing(T, E, k, gen, dev) for _ in range(W)]
+            routed = [routing(T, E, k, gen, dev, S) for _ in range(W)]
             xs = [torch.randn(T, H, generator=gen).to(dev, torch.bfloat16) for _ in range(W)]
             ws, ids = [r[0] for r in routed], [r[1] for r in routed]
-            cfg = lookup(name, scheme, H, I, E // W, k, T)
+            cfg = lookup(name, scheme, H, I, specs[0].num_local_experts, k, T)
             mode = combine_mode(specs[0], W, wire, T, torch.device(dev))
             groups = {"exact": SimulatedSymmGroup(specs, T, wire, dev), **sized}
             outs = {n: [torch.full_like(x, float("nan")) for x in xs] for n in groups}

@@ -6,7 +6,10 @@ machine, no GPU needed: Triton's HIP target builds an hsaco for gfx942 (MI300X) 
     python scripts/hip_compile.py --arch gfx950 --schemes a8w4
 
 The variants: every row of kernels/configs/*.csv, and the heuristic's pick for every preset
-(and the seed shapes of the bench) at every token bucket, per scheme. On AMD the a8w4 e4m3
+(and the seed shapes of the bench) at every token bucket, per scheme, GEMM2 built at top-k 8 with the
+separate combine; and for the served presets (atom_moe.presets.SERVED: top-k 9 and 6) GEMM2 exactly as
+their heuristic picks launch it in their schemes (a8w4 too for GLM-5.2's MXFP4), with the combine each
+token bucket takes (kernels/gemm2.py's SEPARATE_MIN_PAIRS). On AMD the a8w4 e4m3
 decode takes its portable path (kernels/mxfp4.py's PRMT switch is PTX-only: off on a ROCm
 torch), so this script turns that switch off for the HIP build, as a ROCm torch would.
 """
@@ -34,19 +37,40 @@ SCHEMES = compile_all.SCHEMES
 
 
 def variants(schemes: tuple[str, ...]) -> set[tuple]:
-    """(kernel, scheme, block_m, block_n, block_k, warps, stages) for every config the lookup can return."""
+    """(kernel, scheme, block_m, block_n, block_k, warps, stages, top_k, separate) for every config the lookup
+    can return (GEMM1 does not specialize on the last two: 8, True)."""
     out = set()
     for scheme, configs in compile_all.table_configs(schemes).items():
         for c in configs:
-            out.add(("gemm1", scheme, c.block_m, c.block_n1, c.block_k1, c.warps1, c.stages1))
-            out.add(("gemm2", scheme, c.block_m, c.block_n2, c.block_k2, c.warps2, c.stages2))
+            out.add(("gemm1", scheme, c.block_m, c.block_n1, c.block_k1, c.warps1, c.stages1, 8, True))
+            out.add(("gemm2", scheme, c.block_m, c.block_n2, c.block_k2, c.warps2, c.stages2, 8, True))
+    return out | served_variants(schemes)
+
+
+def served_variants(schemes: tuple[str, ...]) -> set[tuple]:
+    """GEMM2 as the heuristic's picks for the served presets launch it: their top-k, the combine by pair count."""
+    from atom_moe.kernels.gemm2 import SEPARATE_MIN_PAIRS
+    from atom_moe.kernels.tuning import heuristic
+    from atom_moe.presets import PRESETS, SERVED
+    out = set()
+    for s in (PRESETS[name] for name in SERVED):
+        for scheme in compile_all.served_schemes(s):
+            if scheme not in schemes:
+                continue
+            for tokens in compile_all.TOKENS:
+                c = heuristic(scheme, s.hidden_size, s.intermediate_size, s.num_experts, s.top_k, tokens)
+                out.add(("gemm2", scheme, c.block_m, c.block_n2, c.block_k2, c.warps2, c.stages2, s.top_k,
+                         tokens * s.top_k >= SEPARATE_MIN_PAIRS))
     return out
 
 
-def compile_hip(kernel: str, scheme: str, bm: int, bn: int, bk: int, warps: int, stages: int, arch: str) -> int:
+def compile_hip(kernel: str, scheme: str, bm: int, bn: int, bk: int, warps: int, stages: int, top_k: int,
+                separate: bool, arch: str) -> int:
     """Build one variant for `arch`; return the hsaco's size in bytes."""
     fn, sig, div = kernel_sass.signature(kernel, scheme)
-    ce = kernel_sass.constexprs(kernel, scheme, bm, bn, bk, 8)
+    if kernel == "gemm2" and not separate:  # the counter combine's partials are the fp32 workspace
+        sig = {**sig, "partial_ptr": "*fp32"}
+    ce = kernel_sass.constexprs(kernel, scheme, bm, bn, bk, top_k, separate)
     names = list(sig) + list(ce)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in div}
     src = ASTSource(fn, {**sig, **{k: "constexpr" for k in ce}}, constexprs=ce, attrs=attrs)

@@ -78,14 +78,16 @@ def signature(kernel: str, scheme: str) -> tuple[object, dict, list[str]]:
     return _gemm2_kernel, sig, div
 
 
-def constexprs(kernel: str, scheme: str, block_m: int, block_n: int, block_k: int, top_k: int) -> dict:
-    """The launchers' compile-time switches for a local-output, three-launch call."""
+def constexprs(kernel: str, scheme: str, block_m: int, block_n: int, block_k: int, top_k: int,
+               separate: bool = True) -> dict:
+    """The launchers' compile-time switches for a local-output call (GEMM2: the separate combine's, or with
+    separate=False the counter combine's of a three-launch call)."""
     common = dict(FP8=scheme in ("fp8", "a8w4"), W4=scheme in ("a16w4", "a8w4"), BIG=False, HAS_BIAS=True,
                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
                   IGROUP=Scheme(scheme).inter_group, INTERP=False)
     if kernel == "gemm1":
         return {**common, "OAI": True}
-    return {**common, "TOPK": top_k, "KP2": triton.next_power_of_2(top_k), "REMOTE": False, "SEPARATE": True}
+    return {**common, "TOPK": top_k, "KP2": triton.next_power_of_2(top_k), "REMOTE": False, "SEPARATE": separate}
 
 
 def loop_body(sass: str) -> list[str]:

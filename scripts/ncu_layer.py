@@ -18,8 +18,7 @@ import argparse
 import torch
 
 from atom_moe.experts import allocate_workspace, fused_experts
-from atom_moe.spec import MoESpec
-from atom_moe.tools.common import SHAPES, make_routing, random_weights
+from atom_moe.tools.common import SHAPES, bench_spec, make_routing, random_weights
 
 
 def main() -> None:
@@ -36,11 +35,11 @@ def main() -> None:
     gen.manual_seed(0)
     cudart = torch.cuda.cudart()
     for scheme in args.scheme:
-        spec = MoESpec(hidden_size=H, intermediate_size=I, num_experts=E, top_k=k, scheme=scheme)
+        spec = bench_spec(args.shape, scheme)
         weights = random_weights(spec)
         ws = allocate_workspace(spec, max(args.tokens), "cuda")
         for T in args.tokens:
-            w, ids = make_routing(T, E, k, args.routing, gen)
+            w, ids = make_routing(T, E, k, args.routing, gen, spec.shared_experts)
             x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
             out = torch.empty_like(x)
             for _ in range(2):

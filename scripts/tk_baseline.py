@@ -424,7 +424,7 @@ def diagnose(args) -> int:
 
 def sorted_routing(T: int, spec: MoESpec, mode: str, gen) -> tuple[torch.Tensor, torch.Tensor]:
     """common.make_routing, slots sorted by expert id (topk's own output order; the sum does not care)."""
-    w, ids = common.make_routing(T, spec.num_experts, spec.top_k, mode, gen)
+    w, ids = common.make_routing(T, spec.num_experts, spec.top_k, mode, gen, spec.shared_experts)
     ids, order = ids.sort(1)
     return w.gather(1, order), ids
 
@@ -478,8 +478,8 @@ def main(argv: list[str] | None = None) -> None:
     gen.manual_seed(0)
     for name in args.shapes:
         H, I, E, k = common.SHAPES[name]
-        spec = MoESpec(hidden_size=H, intermediate_size=I, num_experts=E, top_k=k, scheme="a16w4",
-                       activation=Activation(ActivationKind.SWIGLU_OAI, alpha=ALPHA, limit=LIMIT))
+        spec = common.bench_spec(name, "a16w4", activation=Activation(ActivationKind.SWIGLU_OAI, alpha=ALPHA,
+                                                                      limit=LIMIT))
         weights = common.random_weights(spec)
         tk = TritonKernelsMoE(weights, spec, args.layout)
         check_format(weights)

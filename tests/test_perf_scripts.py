@@ -113,6 +113,10 @@ def test_every_table_variant_builds_for_amd():
     assert {line.split()[2] for line in built} == {"bf16", "fp8", "a16w4", "a8w4"}
     assert all(int(line.split()[-2]) > 0 for line in built)
     assert "FAILED" not in run.stdout
+    # the served presets' GEMM2 as their heuristic picks launch it: top-k 9 (GLM-5.2) and 6 (V4.1), both
+    # combines (fields: arch kernel scheme bm bn bk warps stages top_k separate)
+    served = {(f[0], f[8], f[9].rstrip(":")) for f in (line.split() for line in built) if f[1] == "gemm2"}
+    assert {(a, k, sep) for a in ("gfx942", "gfx950") for k in ("9", "6") for sep in ("True", "False")} <= served
 
 
 def test_hip_compile_reports_a_failing_variant(tmp_path):
@@ -144,6 +148,17 @@ def test_every_launch_of_the_ops_builds_for_sm_90a():
         assert any(flag in line for line in built if "_gemm1_kernel" in line), flag  # all four schemes
     assert all(int(line.split()[-2]) > 0 for line in built) and "FAILED" not in run.stdout
     assert f"{len(built)} of {len(built)} builds passed" in run.stdout
+    # the served presets' geometry (atom_moe.presets.SERVED): E 257 and 384 sort into 512 bins, in one launch
+    # and in the split two; top-k 9 (GLM-5.2, the fused shared slot) and 6 (V4.1) in GEMM2's two combines,
+    # the separate combine and the symm transport
+    def has(kernel: str, *flags: str) -> bool:
+        return any(line.split()[1] == kernel and set(flags) <= {t.rstrip(":") for t in line.split()} for line in built)
+    for k, kp2 in (("9", "16"), ("6", "8")):
+        for step in ("0", "1", "2"):
+            assert has("_routing_kernel", "NB=512", f"TOPK={k}", f"STEP={step}"), (k, step)
+        for sep in ("True", "False"):
+            assert has("_gemm2_kernel", f"TOPK={k}", f"KP2={kp2}", f"SEPARATE={sep}"), (k, sep)
+        assert has("_combine_kernel", f"TOPK={k}") and has("_dispatch_kernel", f"TOPK={k}"), k
 
 
 def test_compile_all_reports_a_failing_build():

@@ -190,7 +190,8 @@ def test_spec_is_frozen():
 
 # ---------------------------------------------------------------- presets
 def test_presets_match_public_configs():
-    assert set(PRESETS) == {"deepseek-v3", "kimi-k2", "gpt-oss-120b", "qwen3-235b-a22b", "glm-4.5"}
+    from atom_moe.presets import SERVED  # the served TP shards: tests/test_served_shapes.py
+    assert set(PRESETS) == {"deepseek-v3", "kimi-k2", "gpt-oss-120b", "qwen3-235b-a22b", "glm-4.5", *SERVED}
     ds = preset("deepseek-v3")
     assert (ds.hidden_size, ds.intermediate_size, ds.num_experts, ds.top_k) == (7168, 2048, 256, 8)
     assert ds.scheme is Scheme.FP8

@@ -31,7 +31,7 @@ class ModelLayer:
 
     name: str
     spec: MoESpec
-    moe_layers: int
+    moe_layers: int | None  # None: not known (a preset whose model config was not available)
 
 
 def load_model(source: str, scheme: str | Scheme | None = None) -> ModelLayer:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from .args import RunFailure, positive_float, positive_int
-from .common import SHAPES, TOKENS, Timer, cfg_str, floor_terms, make_routing, measure_ceilings, plot, random_weights, write_csv
+from .common import SHAPES, SHARED, TOKENS, Timer, bench_spec, cfg_str, floor_terms, make_routing, measure_ceilings, plot, random_weights, write_csv
 CSV_COLUMNS = ("device", "shape", "scheme", "T", "routing", "impl", "us", "floor_us", "frac_of_floor",
                "tbps", "tflops", "bytes", "flops", "config", "note")
 
@@ -30,7 +30,7 @@ CSV_COLUMNS = ("device", "shape", "scheme", "T", "routing", "impl", "us", "floor
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the benchmark's options to `parser`."""
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES),
-                        help="model shapes (H, I, E, top_k of each preset)")
+                        help="model shapes (H, I, E, top_k and fused shared experts of each preset)")
     parser.add_argument("--schemes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8", "a16w4", "a8w4"],
                         help="schemes to time")
     parser.add_argument("--tokens", nargs="+", type=positive_int, default=list(TOKENS), help="tokens per call")
@@ -139,7 +139,6 @@ def candidates(scheme: str, tokens: int, spec) -> list:
 def run(args: argparse.Namespace) -> list[dict]:
     """Run the benchmark described by args; write the CSV (and PNG); return the rows."""
     from ..experts import allocate_workspace, device_name, fused_experts
-    from ..spec import MoESpec
     if getattr(args, "ep", 1) > 1:
         from . import bench_ep
         if args.csv == Path("bench.csv"):
@@ -169,7 +168,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     for name in args.shapes:
         H, I, E, k = SHAPES[name]
         for scheme in args.schemes:
-            spec = MoESpec(hidden_size=H, intermediate_size=I, num_experts=E, top_k=k, scheme=scheme)
+            spec = bench_spec(name, scheme)
             weights = random_weights(spec)
             ws = allocate_workspace(spec, max(args.tokens), "cuda")
             # compute floor at the issue's MMA rate: fp8 for fp8 and a8w4 (a8w4's target, though its
@@ -177,7 +176,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             rate = ceil["fp8_tflops" if scheme in ("fp8", "a8w4") else "bf16_tflops"]
             layers = vllm_layers(vllm, weights, spec, dev) if vllm is not None else []
             for T in args.tokens:
-                w, ids = make_routing(T, E, k, args.routing, gen)
+                w, ids = make_routing(T, E, k, args.routing, gen, SHARED[name])
                 x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
                 out = torch.empty_like(x)
                 nbytes, flops = floor_terms(spec, ids, 2)

@@ -89,7 +89,6 @@ def run(args: argparse.Namespace) -> list[dict]:
     from ..ep.symm import FUSED, SPLIT
     from ..experts import allocate_workspace, device_name, fused_experts
     from ..kernels.tuning import lookup
-    from ..spec import MoESpec
 
     if not torch.cuda.is_available():
         raise RunFailure("--ep needs a CUDA GPU: torch sees none here")
@@ -106,20 +105,20 @@ def run(args: argparse.Namespace) -> list[dict]:
     for name in args.shapes:
         H, I, E, k = common.SHAPES[name]
         for scheme in args.schemes:
-            full = MoESpec(hidden_size=H, intermediate_size=I, num_experts=E, top_k=k, scheme=scheme)
+            full = common.bench_spec(name, scheme)  # fused shared experts: a replica on every rank
             specs = [full.for_rank(r, W) for r in range(W)]
             weights = [common.random_weights(s) for s in specs]
             rate = ceil["fp8_tflops" if scheme in ("fp8", "a8w4") else "bf16_tflops"]
             wire = "fp8" if full.scheme.fp8_activations else "bf16"
             for T in args.tokens:
-                routed = [common.make_routing(T, E, k, args.routing, gen) for _ in range(W)]
+                routed = [common.make_routing(T, E, k, args.routing, gen, full.shared_experts) for _ in range(W)]
                 xs = [torch.randn(T, H, device="cuda", dtype=torch.bfloat16) for _ in range(W)]
                 ws, ids = [r[0] for r in routed], [r[1] for r in routed]
                 outs = [torch.empty_like(x) for x in xs]
                 all_ids = torch.cat(ids)
                 nbytes, flops = common.floor_terms(full, all_ids, 2)
                 floor_us = max(nbytes / (ceil["read_tbps"] * 1e6), flops / (rate * 1e6))
-                cfg = lookup(dev, scheme, H, I, E // W, k, T)
+                cfg = lookup(dev, scheme, H, I, specs[0].num_local_experts, k, T)
                 group = SimulatedSymmGroup(specs, T, wire, "cuda")
                 for label, mode in (("fused", FUSED), ("split", SPLIT)):
                     steps = stage_steps(group, weights, xs, ws, ids, outs, mode, config=cfg)

@@ -204,7 +204,6 @@ def run(args: argparse.Namespace) -> int:
 def measure(args: argparse.Namespace) -> list[dict]:
     """Run the breakdown described by args; write the CSV and markdown; return the rows."""
     from ..experts import allocate_workspace, device_name
-    from ..spec import MoESpec
     if not torch.cuda.is_available():
         raise RunFailure("needs a CUDA GPU: torch sees none here")
     t0 = time.monotonic()
@@ -226,12 +225,12 @@ def measure(args: argparse.Namespace) -> list[dict]:
     for name in args.shapes:
         H, I, E, k = common.SHAPES[name]
         for scheme in args.schemes:
-            spec = MoESpec(hidden_size=H, intermediate_size=I, num_experts=E, top_k=k, scheme=scheme)
+            spec = common.bench_spec(name, scheme)
             weights = common.random_weights(spec)
             ws = allocate_workspace(spec, max(args.tokens), "cuda")
             print(f"{stamp()} {name} {scheme}: weights built", flush=True)
             for T in args.tokens:
-                w, ids = common.make_routing(T, E, k, args.routing, gen)
+                w, ids = common.make_routing(T, E, k, args.routing, gen, common.SHARED[name])
                 x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
                 for r in measure_rows(timer, spec, weights, ws, x, w, ids, ceil, sms=sms, props=props,
                                       labels=dict(device=dev, shape=name, routing=args.routing),

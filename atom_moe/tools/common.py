@@ -16,14 +16,21 @@ from typing import Any
 
 import torch
 
+from ..presets import PRESETS
+from ..spec import MoESpec
 
-SHAPES = {  # name: (H, I, E, top_k)
-    "deepseek-v3": (7168, 2048, 256, 8),
-    "kimi-k2": (7168, 2048, 384, 8),
-    "gpt-oss-120b": (2880, 2880, 128, 4),
-    "qwen3-235b-a22b": (4096, 1536, 128, 8),
-    "glm-4.5": (5120, 1536, 160, 8),
-}
+# name: (H, I, E, top_k) of every preset (atom_moe/presets.py), the served TP shards included
+SHAPES = {name: (s.hidden_size, s.intermediate_size, s.num_experts, s.top_k) for name, s in PRESETS.items()}
+# name: fused shared experts (the last S of E, named by every token's last S slots; glm-5.2-tpN: 1)
+SHARED = {name: s.shared_experts for name, s in PRESETS.items()}
+
+
+def bench_spec(name: str, scheme: str, **fields) -> MoESpec:
+    """The bench layer of shape `name` in `scheme`: its H, I, E, top_k and fused shared experts (default
+    SwiGLU and routing: the benchmarks hand the kernels their ids), with `fields` overriding."""
+    H, I, E, k = SHAPES[name]
+    shape = dict(hidden_size=H, intermediate_size=I, num_experts=E, top_k=k, shared_experts=SHARED[name])
+    return MoESpec(**{**shape, "scheme": scheme, **fields})
 
 
 TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
@@ -179,14 +186,23 @@ def _random_mxfp4_weights(spec, device: str):
     return prepare_mxfp4_local(spec, experts(), device=device)
 
 
-def make_routing(T: int, E: int, k: int, mode: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp32 weights, int32 ids) [T, k]: uniform random distinct experts, or Zipf-skewed popularity."""
+def make_routing(T: int, E: int, k: int, mode: str, gen: torch.Generator,
+                 shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 weights, int32 ids) [T, k]: uniform random distinct experts, or Zipf-skewed popularity.
+
+    shared > 0: fused shared experts, as the engines route them: the first k - shared slots pick
+    among the E - shared routed experts, the last `shared` slots name experts E - shared .. E - 1.
+    """
+    dev = gen.device
+    routed, rk = E - shared, k - shared
     if mode == "uniform":
-        ids = torch.rand(T, E, generator=gen, device="cuda").topk(k, dim=1).indices
+        ids = torch.rand(T, routed, generator=gen, device=dev).topk(rk, dim=1).indices
     else:
-        pop = 1.0 / torch.arange(1, E + 1, device="cuda", dtype=torch.float32) ** 1.2
-        ids = torch.multinomial(pop.expand(T, E), k, replacement=False, generator=gen)
-    w = torch.rand(T, k, generator=gen, device="cuda") + 0.1
+        pop = 1.0 / torch.arange(1, routed + 1, device=dev, dtype=torch.float32) ** 1.2
+        ids = torch.multinomial(pop.expand(T, routed), rk, replacement=False, generator=gen)
+    if shared:
+        ids = torch.cat([ids, torch.arange(routed, E, device=dev).expand(T, shared)], dim=1)
+    w = torch.rand(T, k, generator=gen, device=dev) + 0.1
     return (w / w.sum(1, keepdim=True)), ids.to(torch.int32)
 
 

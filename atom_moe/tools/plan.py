@@ -23,6 +23,7 @@ import torch
 from ..ep.instances import DECODE_TOKENS
 from ..ep.buffers import INT32_MAX, INT64_INDEXED, WIRES, BufferLimitError, buffer_plan, buffer_sizes, check_limits, largest_true
 from ..checkpoint.config import ModelLayer, load_model
+from ..presets import PRESETS
 from ..spec import MoESpec, Scheme, SpecError
 from ..weights import prepared_nbytes
 from .args import fraction, nonnegative_float, nonnegative_int, positive_float, positive_int
@@ -193,6 +194,10 @@ def make_plan(layer: ModelLayer, *, ep: int, dp: int | None = None, tp: int = 1,
         if spec.scheme not in SUPPORTED:
             raise PlanError(f"--experts-backend triton: the fused kernels do not take scheme {spec.scheme.value} "
                             f"yet (they take {', '.join(s.value for s in SUPPORTED)}); use auto or torch")
+    if layer.moe_layers is None:
+        raise PlanError(f"{layer.name}: its MoE layer count is not known here, so the weights per rank cannot be "
+                        f"sized; allowed: the model's config.json (num_hidden_layers, first_k_dense_replace), or a "
+                        f"preset with a known count")
     # every rank owns the same number of experts under linear placement: rank 0 stands for all
     weight_bytes = layer.moe_layers * prepared_nbytes(spec)
     engine = int(gpu_bytes * utilization)
@@ -418,8 +423,8 @@ def format_layouts(layer: ModelLayer, gpus: int, decode: int, prefill: int, **kw
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add `atom-moe plan`'s options."""
-    parser.add_argument("model", help="a preset (deepseek-v3, kimi-k2, gpt-oss-120b, qwen3-235b-a22b, glm-4.5) "
-                                      "or a HuggingFace config.json (or its directory)")
+    parser.add_argument("model", help=f"a preset ({', '.join(PRESETS)}; a -tpN preset is one TP rank's shard of "
+                                      f"the layer) or a HuggingFace config.json (or its directory)")
     parser.add_argument("--scheme", default=None, choices=[s.value for s in Scheme],
                         help="override the checkpoint's scheme; none: from its quantization_config")
     parser.add_argument("--gpus", type=positive_int, default=None,
@@ -466,6 +471,9 @@ def with_fused_shared(layer: ModelLayer, shared: int, redundant: int = 0) -> Mod
     """The layer with `shared` shared experts fused as routed ones: E + S experts, top_k + S slots."""
     if not shared:
         return layer
+    if layer.spec.shared_experts:
+        raise PlanError(f"--fused-shared-experts {shared}: {layer.name} already fuses {layer.spec.shared_experts} "
+                        f"shared expert(s) (E {layer.spec.num_experts}, top-k {layer.spec.top_k}); drop the option")
     if redundant:
         raise PlanError("--fused-shared-experts with --redundant-experts: plan one of them (the plugins take fused "
                         "shared experts without EPLB)")
