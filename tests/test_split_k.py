@@ -86,3 +86,29 @@ def test_workspace_has_room_for_every_split_at_decode_sizes():
     ws = allocate_workspace(spec, 1, DEVICE)
     assert ws.partial.numel() >= gemm1.MAX_SPLIT_K * 1 * 3 * 2 * 160
     gemm1.check_split(gemm1.MAX_SPLIT_K, False, 3, 2 * 160, 200 * 8, 64, ws.partial)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+def test_split_k_on_the_gpu_at_deepseek_v3_dims(seed, scheme):
+    # DeepSeek-V3's H and I (16 of its experts, top-8), T = 1 and 8, every split, then a graph replay of
+    # new routing: the same checks as on the CPU, at the shape split-K is for
+    spec, p = make_layer(7168, 2048, 16, 8, scheme, device="cuda")
+    for T in (1, 8):
+        w, ids = make_routing(T, 16, 8, device="cuda")
+        x = torch.randn(T, 7168, device="cuda").to(torch.bfloat16)
+        twin = experts_torch(x, w, ids, p, spec)
+        whole = fused_experts(x, w, ids, p, spec, config=config(scheme, 1))
+        ws = allocate_workspace(spec, T, "cuda")
+        for split in (2, 4, 8):
+            got = fused_experts(x, w, ids, p, spec, config=config(scheme, split), workspace=ws)
+            scale = float(whole.float().abs().max())
+            assert float((got.float() - whole.float()).abs().max()) <= 2e-2 * scale, f"T={T} split {split}"
+            assert rel_err(got, twin) <= 1e-2, f"T={T} split {split}"
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fused_experts(x, w, ids, p, spec, config=config(scheme, 4), workspace=ws)
+        w2, ids2 = make_routing(T, 16, 8, device="cuda")
+        w.copy_(w2), ids.copy_(ids2)
+        graph.replay()
+        assert torch.equal(out, fused_experts(x, w, ids, p, spec, config=config(scheme, 4), workspace=ws))
