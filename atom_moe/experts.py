@@ -20,7 +20,7 @@ import torch
 
 from .formats import FP8_DTYPE
 from .inputs import warn_fp32
-from .spec import FP8_BLOCK, MoESpec, Scheme
+from .spec import FP8_BLOCK, ActivationKind, MoESpec, Scheme
 from .weights import PreparedWeights
 
 if TYPE_CHECKING:
@@ -210,7 +210,8 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     x1, x1_scale = (x, x_scale) if pre_quantized else (ws.x_q, ws.x_scale) if fp8 else (x, None)
     gemm1.gemm1(x1, x1_scale, weights.w13, weights.w13_scale, weights.w13_bias,
                 ws.sorted_ids, ws.block_expert, n_blocks, k, ws.inter, ws.inter_scale,
-                oai=act.kind.value == "swiglu_oai", alpha=act.alpha, limit=act.limit,
+                oai=act.kind is ActivationKind.SWIGLU_OAI, clamp=act.kind is ActivationKind.SWIGLU_CLAMP,
+                alpha=act.alpha, limit=act.limit,
                 block_m=cfg.block_m, block_n=cfg.block_n1, block_k=cfg.block_k1,
                 num_warps=cfg.warps1, num_stages=cfg.stages1, group_m=cfg.group_m, mx_big=weights.mx_scale_max > 128,
                 w13_rowexp_t=weights.w13_rowexp, mx_flush=weights.mx_flush,

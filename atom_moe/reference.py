@@ -66,13 +66,14 @@ class ReferenceWeights:
 
 
 def apply_activation(gate: torch.Tensor, up: torch.Tensor, activation: Activation) -> torch.Tensor:
-    """SwiGLU (silu(g) * u) or gpt-oss's clamped variant, in fp32."""
+    """SwiGLU (silu(g) * u), clamped SwiGLU (DeepSeek-V4) or gpt-oss's variant, in fp32."""
     g, u = gate.float(), up.float()
-    if activation.kind is ActivationKind.SWIGLU:
-        return torch.nn.functional.silu(g) * u
-    g = g.clamp(max=activation.limit)
-    u = u.clamp(-activation.limit, activation.limit)
-    return g * torch.sigmoid(activation.alpha * g) * (u + 1)
+    if activation.clamped:  # gate from above only, up both sides (torch.clamp keeps NaN)
+        g = g.clamp(max=activation.limit)
+        u = u.clamp(-activation.limit, activation.limit)
+    if activation.kind is ActivationKind.SWIGLU_OAI:
+        return g * torch.sigmoid(activation.alpha * g) * (u + 1)
+    return torch.nn.functional.silu(g) * u
 
 
 def quant_dequant_activations(a: torch.Tensor, scheme: Scheme, *, inter: bool = False) -> torch.Tensor:

@@ -19,7 +19,8 @@ def route(logits: torch.Tensor, routing: Routing, top_k: int,
     num_experts = logits.shape[1]
     if routing.correction_bias and correction_bias is None:
         raise ValueError("this routing uses a correction bias (e_score_correction_bias); pass it")
-    scores = logits.float().softmax(-1) if routing.scoring is Scoring.SOFTMAX else logits.float().sigmoid()
+    scores = {Scoring.SOFTMAX: lambda v: v.softmax(-1), Scoring.SIGMOID: torch.sigmoid,
+              Scoring.SQRTSOFTPLUS: lambda v: torch.nn.functional.softplus(v).sqrt()}[routing.scoring](logits.float())
     choice = scores
     if correction_bias is not None:
         choice = scores + correction_bias.float()

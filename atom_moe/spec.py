@@ -8,6 +8,7 @@ spec instead of re-deriving facts from tensor shapes.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
@@ -58,15 +59,22 @@ class ActivationKind(str, enum.Enum):
 
     SWIGLU = "swiglu"  # silu(gate) * up
     SWIGLU_OAI = "swiglu_oai"  # gpt-oss: clamp, gate * sigmoid(alpha * gate) * (up + 1)
+    SWIGLU_CLAMP = "swiglu_clamp"  # DeepSeek-V4: silu(min(gate, limit)) * clamp(up, -limit, limit)
 
 
 @dataclass(frozen=True)
 class Activation:
-    """The gated activation between GEMM1 and GEMM2."""
+    """The gated activation between GEMM1 and GEMM2.
+
+    The clamped kinds clamp the fp32 GEMM1 output before the activation: gate <= limit
+    and -limit <= up <= limit (vLLM's and transformers' `swiglu_limit`).
+    """
 
     kind: ActivationKind = ActivationKind.SWIGLU
     alpha: float = 1.702  # only for SWIGLU_OAI
-    limit: float = 7.0  # only for SWIGLU_OAI: gate <= limit, |up| <= limit
+    # SWIGLU_OAI and SWIGLU_CLAMP; None: gpt-oss's 7.0 for SWIGLU_OAI, required for SWIGLU_CLAMP (V4 uses 10.0,
+    # and a silently defaulted clamp would be the wrong model)
+    limit: float | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -74,17 +82,34 @@ class Activation:
         except ValueError:
             allowed = ", ".join(k.value for k in ActivationKind)
             raise SpecError(f"unknown activation {self.kind!r}; allowed: {allowed}") from None
+        if self.limit is None:
+            if self.kind is ActivationKind.SWIGLU_CLAMP:
+                raise SpecError("swiglu_clamp needs its limit (the model's swiglu_limit, e.g. 10.0 for "
+                                "DeepSeek-V4); allowed: a finite number > 0")
+            object.__setattr__(self, "limit", 7.0)  # gpt-oss's; unused by plain swiglu
         if self.kind is ActivationKind.SWIGLU_OAI and not (self.alpha > 0 and self.limit > 0):
             raise SpecError(
                 f"swiglu_oai needs alpha > 0 and limit > 0, got alpha={self.alpha}, limit={self.limit}"
             )
+        if self.kind is ActivationKind.SWIGLU_CLAMP and not (
+                isinstance(self.limit, (int, float)) and not isinstance(self.limit, bool)
+                and math.isfinite(self.limit) and self.limit > 0):
+            raise SpecError(f"swiglu_clamp needs a finite limit > 0 (the model's swiglu_limit), got "
+                            f"limit={self.limit!r}; for no clamp use kind swiglu")
+        object.__setattr__(self, "limit", float(self.limit))
+
+    @property
+    def clamped(self) -> bool:
+        """Whether GEMM1's output is clamped at `limit` before the activation (swiglu_oai, swiglu_clamp)."""
+        return self.kind is not ActivationKind.SWIGLU
 
 
 class Scoring(str, enum.Enum):
-    """How router logits become scores: softmax over experts, or a sigmoid each."""
+    """How router logits become scores: softmax over experts, or a function of each logit."""
 
     SOFTMAX = "softmax"
     SIGMOID = "sigmoid"
+    SQRTSOFTPLUS = "sqrtsoftplus"  # DeepSeek-V4: sqrt(softplus(logit))
 
 
 @dataclass(frozen=True)
@@ -92,9 +117,10 @@ class Routing:
     """How router logits become (topk_weights, topk_ids).
 
     softmax: softmax over all experts, top-k.
-    sigmoid: sigmoid scores; with a correction bias the choice uses score + bias but the
-    weights use the score (DeepSeek-V3); grouped top-k keeps the `topk_group` best of
-    `n_group` groups, a group scored by the sum of its two best biased scores.
+    sigmoid (and sqrtsoftplus: sqrt(softplus(logit)), DeepSeek-V4): per-expert scores; with a
+    correction bias the choice uses score + bias but the weights use the score (DeepSeek-V3);
+    grouped top-k keeps the `topk_group` best of `n_group` groups, a group scored by the sum
+    of its two best biased scores.
     """
 
     scoring: Scoring = Scoring.SOFTMAX

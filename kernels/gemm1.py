@@ -43,7 +43,8 @@ SPLIT_MAX_PAIRS = 128  # (token, slot) pairs up to which GEMM1 may split K (T <=
 @triton.jit
 def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr, block_expert_ptr,
                   out_ptr, outs_ptr, num_pairs, top_k, hidden, inter, n_blocks, alpha, limit, row_blocks, k_blocks,
-                  part_ptr, k_span, SPLIT: tl.constexpr, PHASE: tl.constexpr, FP8: tl.constexpr, W4: tl.constexpr, BIG: tl.constexpr, OAI: tl.constexpr,
+                  part_ptr, k_span, SPLIT: tl.constexpr, PHASE: tl.constexpr, FP8: tl.constexpr, W4: tl.constexpr,
+                  BIG: tl.constexpr, OAI: tl.constexpr, CLAMP: tl.constexpr,
                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, IGROUP: tl.constexpr, INTERP: tl.constexpr):
     n_out = 2 * inter
@@ -87,10 +88,11 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, 
             return
     acc = tile_finish(acc, rowexp_ptr, bias_ptr, e64, n, n_ok, n_out, FP8, W4, HAS_BIAS)
     gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
-    if OAI:
+    if OAI or CLAMP:
         # NaN must survive the clamp: min/clamp default to dropping it on GPUs (PTX min.f32)
         gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
         up = tl.clamp(up, -limit, limit, propagate_nan=tl.PropagateNan.ALL)
+    if OAI:
         act = gate * tl.sigmoid(alpha * gate) * (up + 1.0)
     else:
         act = gate * tl.sigmoid(gate) * up
@@ -121,8 +123,12 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
           top_k: int, out: torch.Tensor, out_scale: torch.Tensor | None, *, oai: bool, alpha: float,
           limit: float, block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
           group_m: int = 8, mx_big: bool = False, w13_rowexp_t: GateUpTensor | None = None,
-          mx_flush: bool = False, split_k: int = 1, partial: torch.Tensor | None = None) -> None:
+          mx_flush: bool = False, clamp: bool = False, split_k: int = 1,
+          partial: torch.Tensor | None = None) -> None:
     """out[row, :I] = act(x[token(row)] @ w13[expert(row)]^T (+bias)), fp8-quantized when out_scale is given.
+
+    act: silu(gate) * up; with clamp (DeepSeek-V4) gate <= limit and |up| <= limit first; with oai
+    gpt-oss's clamped gate * sigmoid(alpha * gate) * (up + 1).
 
     MXFP4 w13 comes as MX tiles (a16w4; mx_big: some e8m0 scale is above 128) or, with e4m3
     activations (a8w4), as MX quads with their row exponents w13_rowexp_t (mx_flush: some
@@ -165,6 +171,8 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
     if fp8 and out_scale.shape != (out.shape[0], triton.cdiv(inter, igroup)):
         raise ValueError(f"GEMM1: out_scale must be [{out.shape[0]}, ceil(I/{igroup})] for "
                          f"{'a8w4' if w4 else 'fp8'}, got {tuple(out_scale.shape)}")
+    if oai and clamp:
+        raise ValueError("GEMM1: oai already clamps; pass clamp only for clamped SiLU (swiglu_clamp)")
     if block_n % 2:
         raise ValueError(f"GEMM1 block_n must be even (gate/up pairs), got {block_n}")
     split = check_split(split_k, w4, num_tokens * top_k, 2 * inter, hidden, block_k, partial)
@@ -176,7 +184,7 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
             float(alpha), float(limit), row_blocks, k_blocks,
             partial if split > 1 else out, triton.cdiv(triton.cdiv(hidden, block_k), split) * block_k)
     meta = dict(SPLIT=split, FP8=fp8, W4=w4, BIG=w4 and (mx_flush if fp8 else mx_big), OAI=oai,
-                HAS_BIAS=w13_bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                CLAMP=clamp, HAS_BIAS=w13_bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                 GROUP_M=group_m, IGROUP=igroup, INTERP=interpreting(), num_warps=num_warps, num_stages=num_stages)
     if split == 1:
         _gemm1_kernel[(tiles,)](*args, PHASE=0, **meta)

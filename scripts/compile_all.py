@@ -98,6 +98,9 @@ def _record(self: JITFunction, *args, grid, warmup, **kwargs):
 def _exercise() -> None:
     """Run every launcher the ops use, with the recorder in place of Triton's launch."""
     from atom_moe.experts import fused_experts
+    from dataclasses import replace
+
+    from atom_moe.spec import Activation, ActivationKind
     from atom_moe.tools.synthetic import random_layer, random_tokens
     from atom_moe.weights import prepare_stacked
 
@@ -111,6 +114,8 @@ def _exercise() -> None:
         weights = prepare_stacked(spec, raw.w13, raw.w2, layout="separated")
         x, w, ids = random_tokens(spec, T, generator=g)
         fused_experts(x, w, ids, weights, spec)  # the table's or heuristic's own pick
+        clamped = replace(spec, activation=Activation(ActivationKind.SWIGLU_CLAMP, limit=10.0))  # DeepSeek-V4's
+        fused_experts(x, w, ids, weights, clamped)
         fused_experts(x, w, ids, weights, spec, combine="separate")
         for config in configs.get(scheme, ()):
             fused_experts(x, w, ids, weights, spec, config=config)

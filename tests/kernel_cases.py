@@ -13,16 +13,19 @@ OAI = Activation(ActivationKind.SWIGLU_OAI, alpha=1.702, limit=7.0)
 
 def make_layer(H: int, I: int, E: int, k: int, scheme: str, *, oai: bool = False, bias: bool = False,
                local_experts: tuple[int, ...] | None = None, device: str = "cpu",
-               gate_std: float | None = None) -> tuple[MoESpec, PreparedWeights]:
+               gate_std: float | None = None, activation: Activation | None = None
+               ) -> tuple[MoESpec, PreparedWeights]:
     """A random layer (spec + prepared weights); gate/up ~ N(0, gate_std^2) for x ~ N(0, 1).
 
     By default gate_std is 1, and 4 for gpt-oss's variant in bf16 so its clamp at limit=7
     is exercised. (fp8 defaults to 1: per-group e4m3 activations alone put the scheme ~4%
     from the unquantized oracle on SwiGLU data, close to the 5e-2 bound; see the tests.)
+    `activation` overrides the one `oai` picks.
     """
     placement = Placement() if local_experts is None else Placement(0, 2, local_experts)
+    act = activation if activation is not None else OAI if oai else Activation()
     spec = MoESpec(hidden_size=H, intermediate_size=I, num_experts=E, top_k=k, scheme=scheme,
-                   activation=OAI if oai else Activation(), has_bias=bias, placement=placement)
+                   activation=act, has_bias=bias, placement=placement)
     gate_std = (4.0 if oai and scheme == "bf16" else 1.0) if gate_std is None else gate_std
     w13 = torch.randn(E, 2 * I, H, device=device) * (gate_std / H ** 0.5)
     w2 = torch.randn(E, H, I, device=device) / I ** 0.5

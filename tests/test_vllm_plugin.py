@@ -26,5 +26,5 @@ def engine_python(version: str) -> str:
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("version", VERSIONS)
 def test_vllm_plugin_cases(version, seed):
-    run_engine_suite(engine_python(version), "vllm_cases.py", f"vLLM {version}", 41, VLLM_TARGET_DEVICE="cpu",
+    run_engine_suite(engine_python(version), "vllm_cases.py", f"vLLM {version}", 48, VLLM_TARGET_DEVICE="cpu",
                      ATOM_MOE_SEED=str(seed))

@@ -41,7 +41,7 @@ from engine_common import (INTER, SCHEMES, a8w4_spec, activation_of, assert_bitw
                            hf_checkpoint, our_mxfp4_twin)
 from atom_moe.layouts.gate_up import GateUpKind, GateUpLayout  # noqa: E402
 from atom_moe.reference import ReferenceWeights, reference_moe  # noqa: E402
-from atom_moe.spec import MoESpec, Scheme  # noqa: E402
+from atom_moe.spec import Activation, ActivationKind, MoESpec, Scheme  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 E, K, H = 8, 2, 256
@@ -69,7 +69,16 @@ CHECKPOINTS = {
               "rope_scaling": {"factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "rope_type": "yarn",
                                "original_max_position_embeddings": 4096},
               "quantization_config": {"quant_method": "mxfp4"}},
+    # DeepSeek-V4 with fp4 experts: vLLM's DeepseekV4FP8Config builds the generic Mxfp4MoEMethod for them
+    "dsv4": {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "hidden_size": H,
+             "moe_intermediate_size": INTER["mxfp4"], "n_routed_experts": E, "num_experts_per_tok": K,
+             "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 512, "swiglu_limit": 10.0,
+             "scoring_func": "sqrtsoftplus", "norm_topk_prob": True, "topk_method": "noaux_tc",
+             "torch_dtype": "bfloat16", "expert_dtype": "fp4",
+             "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                     "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}},
 }
+V4_LIMIT = 10.0  # DeepSeek-V4's swiglu_limit (its config above)
 
 
 def vllm_config(scheme: str, tmp: Path, **kwargs) -> VllmConfig:
@@ -90,7 +99,7 @@ def configs(tmp_path_factory):
     """One vLLM config per scheme, and a 1-rank gloo world (vLLM's own init) for the module."""
     load_general_plugins()  # vLLM's plugin loader: must find and call our entry point
     tmp = tmp_path_factory.mktemp("ckpt")
-    out = {s: vllm_config(s, tmp) for s in SCHEMES}
+    out = {s: vllm_config(s, tmp) for s in (*SCHEMES, "dsv4")}
     with set_current_vllm_config(out["bf16"]):
         init_distributed_environment(1, 0, f"tcp://127.0.0.1:{_free_port()}", 0, backend="gloo")
         initialize_model_parallel(1, 1)
@@ -114,7 +123,7 @@ def hf_tensors(scheme: str, gen: torch.Generator, num_experts: int = E) -> tuple
 def build(scheme: str, cfg: VllmConfig, **overrides):
     """FusedMoEFactory(...) as the model would call it for this checkpoint (gpt-oss style for MXFP4)."""
     mx = scheme == "mxfp4"
-    kwargs = dict(num_experts=E, top_k=K, hidden_size=H, intermediate_size=INTER[scheme],
+    kwargs = dict(num_experts=E, top_k=K, hidden_size=H, intermediate_size=INTER.get(scheme, INTER["mxfp4"]),
                   params_dtype=torch.bfloat16, quant_config=cfg.quant_config,
                   prefix=f"model.layers.{next(_names)}.mlp.experts", has_bias=mx,
                   activation="swigluoai" if mx else "silu", renormalize=True)
@@ -220,8 +229,11 @@ def test_flag_off_gives_vllms_own_classes():
     assert "atom_moe" not in out  # no start-up line, no warning: nothing changed
 
 
-@pytest.mark.parametrize("act, shown", [(None, "mxfp4 (gpt-oss) as a16w4 (ATOM_MOE_MXFP4_ACT=bf16)"),
-                                         ("fp8", "mxfp4 (gpt-oss) as a8w4 (ATOM_MOE_MXFP4_ACT=fp8)")])
+_MX = "mxfp4 (gpt-oss; DeepSeek-V4 and other Mxfp4MoEMethod layers)"
+
+
+@pytest.mark.parametrize("act, shown", [(None, f"{_MX} as a16w4 (ATOM_MOE_MXFP4_ACT=bf16)"),
+                                         ("fp8", f"{_MX} as a8w4 (ATOM_MOE_MXFP4_ACT=fp8)")])
 def test_flag_on_logs_one_startup_line_per_process(act, shown):
     out = _run_snippet(SNIPPET, {"ATOM_USE_FLYDSL": "1"} | ({"ATOM_MOE_MXFP4_ACT": act} if act else {}))
     assert "TYPES atom_moe.plugins.vllm.method AtomRoutedExperts AtomMoEMethod" in out
@@ -372,6 +384,144 @@ def test_planted_bug_fails_the_a8w4_check(configs, seed, mxfp4_act, monkeypatch,
     assert method.plan.spec.scheme is (Scheme.A16W4 if plant == "a16w4_ran" else Scheme.A8W4)
     with pytest.raises(AssertionError, match="elements differ"):
         assert_bitwise(out, our_mxfp4_twin(tensors, a8w4_spec(E, H, K), x, w, ids))
+
+
+# ---------------------------------------------------------------- DeepSeek-V4: Mxfp4MoEMethod, clamped SiLU
+def v4_checkpoint(gen: torch.Generator, std: float) -> tuple[dict, ReferenceWeights]:
+    """DeepSeek-V4 style per-expert MXFP4 tensors (`{e}.w1/w2/w3.weight` packed e2m1, `.weight_scale` e8m0)
+    and their fp32 reference, dequantized here from the same bytes (no code of the plugin's).
+
+    gate and up ~ N(0, std^2) per unit input, so most of them pass swiglu_limit on either side.
+    """
+    from atom_moe import formats
+
+    I = INTER["mxfp4"]
+    gate, up = (torch.randn(E, I, H, generator=gen) * (std / H ** 0.5) for _ in range(2))
+    down = torch.randn(E, H, I, generator=gen) / I ** 0.5
+    tensors, full = {}, {}
+    for name, w in (("w1", gate), ("w3", up), ("w2", down)):
+        q, s = formats.quantize_mxfp4(w)
+        full[name] = formats.dequantize_mxfp4(q, s)
+        for e in range(E):  # e8m0 as the checkpoint stores it: vLLM's scale loader turns it into bytes
+            tensors[f"{e}.{name}.weight"] = q[e]
+            tensors[f"{e}.{name}.weight_scale"] = s[e].view(torch.float8_e8m0fnu)
+    return tensors, ReferenceWeights(full["w1"], full["w3"], full["w2"], tuple(range(E)))
+
+
+def build_v4(cfg: VllmConfig, **overrides):
+    """FusedMoEFactory as DeepseekV4MoE._init_fused_moe_experts calls it (w1/w2/w3 names, the limit)."""
+    kwargs = dict(ckpt_names=("w1", "w2", "w3"), swiglu_limit=V4_LIMIT, intermediate_size=INTER["mxfp4"])
+    return build("dsv4", cfg, **(kwargs | overrides))
+
+
+def _v4_layer_run(cfg, seed: int, monkeypatch, std: float = 30.0):
+    """A DeepSeek-V4 layer through vLLM's factory, loader and runner: (method, out, (x, w, ids) given to apply, ref)."""
+    from atom_moe.plugins.vllm import method as m
+
+    gen = torch.Generator().manual_seed(seed)
+    runner = build_v4(cfg)
+    tensors, ref = v4_checkpoint(gen, std)
+    names = list(runner.load_weights(iter(tensors.items())))
+    assert len(names) == len(tensors), f"vLLM's loader took {len(names)} of {len(tensors)} tensors"
+    experts = runner.routed_experts
+    originals = [weakref.ref(p) for n, p in experts.named_parameters() if n.startswith(("w13", "w2"))]
+    assert len(originals) == 4  # weights and scales of w13 and w2
+    process(runner)
+    gc.collect()
+    assert all(r() is None for r in originals), "vLLM's original MXFP4 weights are still alive"
+    given = []
+    real = m.AtomMoEMethod.apply
+
+    def spy(self, *args, **kwargs):
+        bound = inspect.signature(real).bind(self, *args, **kwargs).arguments
+        given.append((bound["x"], bound["topk_weights"], bound["topk_ids"]))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(m.AtomMoEMethod, "apply", spy)
+    x, logits = torch.randn(64, H, generator=gen).bfloat16(), torch.randn(64, E, generator=gen)
+    out = forward(cfg, runner, x, logits)
+    assert len(given) == 1
+    return experts.quant_method, out, given[0], ref
+
+
+def v4_expected(x, w, ids, ref, scheme: Scheme, activation=None) -> torch.Tensor:
+    """The fp32 reference of the V4 layer (clamped SiLU unless `activation`), with a8w4's activation quant."""
+    act = activation or Activation(ActivationKind.SWIGLU_CLAMP, limit=V4_LIMIT)
+    return reference_moe(x, w, ids, ref, act, act_quant=Scheme.A8W4 if scheme is Scheme.A8W4 else None)
+
+
+@pytest.mark.parametrize("act", ["bf16", "fp8"])
+def test_deepseek_v4_mxfp4_layer_runs_ours(configs, seed, mxfp4_act, monkeypatch, act):
+    """DeepSeek-V4's fp4 experts (vLLM's Mxfp4MoEMethod, taken weights-only on the CPU) run as our a16w4 or
+    a8w4 with the clamped SiLU at swiglu_limit; gate/up SEPARATED as vLLM's loader fills w13; every element
+    equals the fp32 reference on the checkpoint's own bytes, and the clamp is live (the unclamped layer is not)."""
+    from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4MoEMethod
+
+    from atom_moe.plugins.vllm.method import AtomMoEMethod
+
+    mxfp4_act(act)
+    method, out, (x, w, ids), ref = _v4_layer_run(configs["dsv4"], seed, monkeypatch)
+    assert isinstance(method, AtomMoEMethod) and type(method.inner) is Mxfp4MoEMethod
+    scheme = Scheme.A8W4 if act == "fp8" else Scheme.A16W4
+    spec = method.plan.spec
+    assert spec.scheme is scheme and spec.activation == Activation(ActivationKind.SWIGLU_CLAMP, limit=V4_LIMIT)
+    assert method.plan.layout is GateUpLayout.SEPARATED and not spec.has_bias
+    assert method.weights.w13.kind is (GateUpKind.MX_QUADS if act == "fp8" else GateUpKind.MX_TILES)
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    assert_matches(out, v4_expected(x, w, ids, ref, scheme))
+    with pytest.raises(AssertionError, match="elements off"):  # the data make the clamp decide the result
+        assert_matches(out, v4_expected(x, w, ids, ref, scheme, Activation()))
+
+
+@pytest.mark.parametrize("plant", ["clamp_ignored", "gate_up_swap"])
+def test_deepseek_v4_planted_bug_fails(configs, seed, mxfp4_act, monkeypatch, plant):
+    """The check above must catch the clamp dropped (plain SiLU) and w13's halves read as interleaved pairs."""
+    from dataclasses import replace
+
+    from atom_moe.plugins.vllm import method as m
+
+    mxfp4_act("bf16")
+    real = m.plan_layer
+
+    def planted(*args):
+        plan = real(*args)
+        if plant == "clamp_ignored":
+            return replace(plan, spec=replace(plan.spec, activation=Activation()))
+        return replace(plan, layout=GateUpLayout.INTERLEAVED)
+
+    monkeypatch.setattr(m, "plan_layer", planted)
+    method, out, (x, w, ids), ref = _v4_layer_run(configs["dsv4"], seed, monkeypatch)
+    with pytest.raises(AssertionError, match="elements off"):
+        assert_matches(out, v4_expected(x, w, ids, ref, Scheme.A16W4))
+
+
+def test_generic_mxfp4_swigluoai_keeps_vllms_path(configs, monkeypatch):
+    """swigluoai on the generic Mxfp4MoEMethod: its gate/up rows depend on the model's loader, so not ours (on the
+    CPU vLLM's own no-kernel error then stands)."""
+    from atom_moe.plugins.vllm import method as m
+
+    plans = []
+    real = m.plan_layer
+    monkeypatch.setattr(m, "plan_layer", lambda *a: plans.append(real(*a)) or plans[-1])
+    with pytest.raises(NotImplementedError, match="No MXFP4 MoE backend"):
+        build_v4(configs["dsv4"], activation="swigluoai", swiglu_limit=None)
+    assert len(plans) == 1 and "swigluoai on the generic Mxfp4MoEMethod" in plans[0], plans
+
+
+def test_silu_limit_zero_keeps_vllms_path(configs, caplog):
+    """swiglu_limit=0 means no clamp to vLLM's Triton kernels and a clamp at 0 to its CUDA op: not ours to pick.
+    A bf16 layer falls back with one warning; the V4 MXFP4 layer, whose vLLM method has no CPU kernel, raises
+    vLLM's own error unchanged."""
+    from atom_moe.plugins import common
+
+    common._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="vllm.atom_moe"):
+        runner = build("bf16", configs["bf16"], swiglu_limit=0.0)
+    assert type(runner.routed_experts.quant_method) is UnquantizedFusedMoEMethod
+    warnings = [r.getMessage() for r in caplog.records if "keep vLLM's own path" in r.getMessage()]
+    assert len(warnings) == 1 and "silu with swiglu_limit=0.0" in warnings[0], warnings
+    with pytest.raises(NotImplementedError, match="No MXFP4 MoE backend"):
+        build_v4(configs["dsv4"], swiglu_limit=0.0)
 
 
 def test_forward_runs_our_apply_when_custom_ops_are_off(configs, seed, monkeypatch):
@@ -570,11 +720,12 @@ def test_tp_ep_two_ranks(scheme, seed):
     _launch("tp_ep", scheme, seed)
 
 
-@pytest.mark.parametrize("scheme", ["bf16", "mxfp4", "a8w4"])
+@pytest.mark.parametrize("scheme", ["bf16", "mxfp4", "a8w4", "dsv4_a8w4"])
 def test_dp_ep_fused_two_ranks(scheme, seed):
     """DP=2 attention + EP=2 with ATOM_USE_FLYDSL_FUSED=1: MegaMoE dispatches; vLLM must not.
 
-    a8w4: the gpt-oss layer with ATOM_MOE_MXFP4_ACT=fp8 (MegaMoE on a8w4 weights)."""
+    a8w4: the gpt-oss layer with ATOM_MOE_MXFP4_ACT=fp8 (MegaMoE on a8w4 weights); dsv4_a8w4: DeepSeek-V4's
+    fp4 experts (Mxfp4MoEMethod, clamped SiLU) the same way, the seed recipe's V4-Pro a8w4 fused layer."""
     _launch("dp_ep", scheme, seed)
 
 

@@ -3,7 +3,8 @@
     python vllm_worker.py MODE SCHEME RANK WORLD PORT SEED
 
 SCHEME is bf16, fp8, mxfp4 (gpt-oss style, a16w4) or a8w4 (that checkpoint with
-ATOM_MOE_MXFP4_ACT=fp8).
+ATOM_MOE_MXFP4_ACT=fp8); dp_ep also takes dsv4_a8w4 (DeepSeek-V4's fp4 experts through vLLM's
+Mxfp4MoEMethod, clamped SiLU, with ATOM_MOE_MXFP4_ACT=fp8).
 
 MODE tp_ep: TP=WORLD with expert parallelism, DP=1 (ATOM_USE_FLYDSL=1). Every rank gets
 the same tokens; its share (our apply) must equal the reference over its local experts,
@@ -39,8 +40,8 @@ os.environ["ATOM_USE_FLYDSL_FUSED" if mode.startswith("dp_ep") or mode == "eplb_
 if mode == "dp_ep_switch":
     os.environ["ATOM_MOE_DECODE_TOKENS"] = "8"
 os.environ["VLLM_TARGET_DEVICE"] = "cpu"
-ckpt = "mxfp4" if scheme == "a8w4" else scheme  # the checkpoint; a8w4 is our scheme for it, by flag
-os.environ["ATOM_MOE_MXFP4_ACT"] = "fp8" if scheme == "a8w4" else "bf16"
+ckpt = {"a8w4": "mxfp4", "dsv4_a8w4": "dsv4"}.get(scheme, scheme)  # the checkpoint; a8w4 is our scheme, by flag
+os.environ["ATOM_MOE_MXFP4_ACT"] = "fp8" if scheme.endswith("a8w4") else "bf16"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import tempfile  # noqa: E402
@@ -268,7 +269,8 @@ def main() -> None:
             eplb(cfg)
             print(f"RANK {rank} OK", flush=True)
             return
-        runner = cases.build(ckpt, cfg)
+        v4 = ckpt == "dsv4"
+        runner = cases.build_v4(cfg) if v4 else cases.build(ckpt, cfg)
         experts = runner.routed_experts
         method = experts.quant_method
         assert isinstance(method, AtomMoEMethod), type(method)
@@ -278,13 +280,17 @@ def main() -> None:
         assert spec.local_experts == tuple(range(rank * per, (rank + 1) * per)), spec.local_experts
         assert spec.placement.world_size == world and spec.placement.rank == rank
         assert method.plan.fused == mode.startswith("dp_ep")
-        if ckpt == "mxfp4":
-            assert spec.scheme is (cases.Scheme.A8W4 if scheme == "a8w4" else cases.Scheme.A16W4)
+        if ckpt in ("mxfp4", "dsv4"):
+            assert spec.scheme is (cases.Scheme.A8W4 if scheme.endswith("a8w4") else cases.Scheme.A16W4)
         assert not runner.do_naive_dispatch_combine  # vLLM must not dispatch around MegaMoE
 
         gen = torch.Generator().manual_seed(seed)  # same weights on every rank
-        tensors, ref = cases.hf_tensors(ckpt, gen)
-        cases.load(runner, ckpt, tensors, ep_range=(rank * per, (rank + 1) * per))
+        if v4:  # vLLM's per-expert loader takes this rank's experts and skips the others
+            tensors, ref = cases.v4_checkpoint(gen, 30.0)
+            assert len(list(runner.load_weights(iter(tensors.items())))) == len(tensors) // world
+        else:
+            tensors, ref = cases.hf_tensors(ckpt, gen)
+            cases.load(runner, ckpt, tensors, ep_range=(rank * per, (rank + 1) * per))
         cases.process(runner)
         assert experts.atom_moe_weights.num_local_experts == per
         if mode == "dp_ep_switch":
@@ -303,7 +309,17 @@ def main() -> None:
         num_tokens_across_dp = torch.tensor([23 + 5 * r for r in range(world)]) if dp else None
         with set_forward_context(None, cfg, num_tokens=T, num_tokens_across_dp=num_tokens_across_dp):
             out = runner.forward(x, logits)
-        cases.assert_matches(out, cases.expected(scheme, x, logits, ref))
+        if v4:  # every element of this rank's tokens against the clamped layer, and the clamp is live
+            w, ids = cases.route(logits)
+            cases.assert_matches(out, cases.v4_expected(x, w, ids, ref, spec.scheme))
+            try:
+                cases.assert_matches(out, cases.v4_expected(x, w, ids, ref, spec.scheme, cases.Activation()))
+            except AssertionError:
+                pass
+            else:
+                raise AssertionError("the unclamped layer matches too: the clamp is not live on these data")
+        else:
+            cases.assert_matches(out, cases.expected(scheme, x, logits, ref))
     print(f"RANK {rank} OK", flush=True)
 
 

@@ -8,9 +8,11 @@ DeepSeek-V3 / Kimi-K2 / GLM-4.5 (n_routed_experts, moe_intermediate_size,
 num_experts_per_tok, n_group, topk_group, routed_scaling_factor, scoring_func,
 first_k_dense_replace), gpt-oss (num_local_experts, intermediate_size, experts_per_token,
 swiglu_limit) and Qwen3-MoE (num_experts, moe_intermediate_size, num_experts_per_tok,
-norm_topk_prob, decoder_sparse_step, mlp_only_layers). The scheme comes from
-`quantization_config` (fp8 with 128x128 blocks -> fp8, mxfp4 -> a16w4, none -> bf16)
-unless the caller overrides it.
+norm_topk_prob, decoder_sparse_step, mlp_only_layers), and DeepSeek-V4 / V4.1 (the
+DeepSeek-V3 keys, scoring_func sqrtsoftplus, swiglu_limit -> clamped SiLU, expert_dtype;
+V4.1 nests them under text_config). The scheme comes from `quantization_config` (fp8 with
+128x128 blocks -> fp8, mxfp4 -> a16w4, none -> bf16; V4's experts by expert_dtype: fp4 ->
+a16w4, fp8 -> fp8) unless the caller overrides it.
 """
 
 from __future__ import annotations
@@ -80,13 +82,16 @@ def config_scheme(config: dict, where: str = "config") -> Scheme:
 
 # The family is chosen from model_type, else from the architecture: never from the presence of one
 # key (transformers 5 writes num_local_experts into Qwen3-MoE configs, once read as gpt-oss).
-MODEL_TYPES = {"deepseek_v3": "deepseek", "deepseek_v2": "deepseek", "kimi_k2": "deepseek", "glm4_moe": "deepseek",
+MODEL_TYPES = {"deepseek_v4": "deepseek_v4", "deepseek_v41": "deepseek_v4",
+               "deepseek_v3": "deepseek", "deepseek_v2": "deepseek", "kimi_k2": "deepseek", "glm4_moe": "deepseek",
                "gpt_oss": "gpt_oss", "qwen3_moe": "qwen", "qwen2_moe": "qwen"}
-ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek", "DeepseekV2ForCausalLM": "deepseek",
+ARCHITECTURES = {"DeepseekV4ForCausalLM": "deepseek_v4",
+                 "DeepseekV3ForCausalLM": "deepseek", "DeepseekV2ForCausalLM": "deepseek",
                  "Glm4MoeForCausalLM": "deepseek", "GptOssForCausalLM": "gpt_oss",
                  "Qwen3MoeForCausalLM": "qwen", "Qwen2MoeForCausalLM": "qwen"}
 # the expert-count key of each family first, then the other spellings configs use for it
 EXPERT_KEYS = {"deepseek": ("n_routed_experts", "num_experts", "num_local_experts"),
+               "deepseek_v4": ("n_routed_experts", "num_local_experts"),
                "gpt_oss": ("num_local_experts", "num_experts"),
                "qwen": ("num_experts", "num_local_experts")}
 
@@ -104,19 +109,55 @@ def model_family(config: dict, where: str = "config") -> str:
                     f"(or architectures: {', '.join(sorted(ARCHITECTURES))})")
 
 
+def v4_expert_scheme(config: dict, where: str = "config") -> Scheme:
+    """DeepSeek-V4 / V4.1 routed experts' scheme: `expert_dtype` (top level or in quantization_config;
+    vLLM's default when absent is fp4) fp4 -> a16w4 (MXFP4), fp8 -> fp8; the fp8 quant_method covers
+    attention and the shared experts."""
+    q = config.get("quantization_config") or {}
+    if not q:
+        return Scheme.BF16
+    if str(q.get("moe_quant_algo") or "").upper() == "NVFP4":
+        raise SpecError(f"{where}: NVFP4 routed experts (moe_quant_algo NVFP4) are not supported; allowed: "
+                        f"expert_dtype fp4 (MXFP4) or fp8; or pass a scheme explicitly")
+    dtype = str(config.get("expert_dtype", q.get("expert_dtype", "fp4"))).lower()
+    if dtype == "fp4":
+        return Scheme.A16W4
+    if dtype == "fp8":
+        return config_scheme(config, where)
+    raise SpecError(f"{where}: expert_dtype {dtype!r} not supported; allowed: fp4, fp8")
+
+
+def v4_activation(config: dict, where: str = "config") -> Activation:
+    """Clamped SiLU at `swiglu_limit` (transformers' DeepseekV4Config default 10.0 when absent; None or 0:
+    no clamp, as in vLLM)."""
+    limit = config.get("swiglu_limit", 10.0)
+    if limit is None or limit == 0:
+        return Activation(ActivationKind.SWIGLU)
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)):
+        raise SpecError(f"{where}: swiglu_limit {limit!r} is not a number; allowed: a finite number > 0, 0 or null")
+    return Activation(ActivationKind.SWIGLU_CLAMP, limit=float(limit))
+
+
 def spec_from_config(config: dict, scheme: str | Scheme | None = None, *, name: str = "config") -> ModelLayer:
     """The MoE layer of a HF config dict (see the module docstring for the families understood)."""
     where = name
     model_type = str(config.get("model_type", "")).lower()
     family = model_family(config, where)
+    if family == "deepseek_v4" and isinstance(config.get("text_config"), dict):
+        config = {**config, **config["text_config"]}  # V4.1: the text model's fields under text_config
     H = int(_get(config, "hidden_size", where=where))
     layers = int(_get(config, "num_hidden_layers", where=where))
-    sch = Scheme.parse(scheme) if scheme is not None else config_scheme(config, where)
+    if scheme is not None:
+        sch = Scheme.parse(scheme)
+    else:
+        sch = v4_expert_scheme(config, where) if family == "deepseek_v4" else config_scheme(config, where)
     num_experts = int(_get(config, *EXPERT_KEYS[family], where=where))
-    if family == "deepseek":  # DeepSeek-V3, Kimi-K2, GLM-4.5
-        scoring = str(config.get("scoring_func", "sigmoid")).lower()
-        if scoring not in ("sigmoid", "softmax"):
-            raise SpecError(f"{where}: scoring_func {scoring!r} not supported; allowed: sigmoid, softmax")
+    if family in ("deepseek", "deepseek_v4"):  # DeepSeek-V3 / V4, Kimi-K2, GLM-4.5
+        v4 = family == "deepseek_v4"
+        scoring = str(config.get("scoring_func", "sqrtsoftplus" if v4 else "sigmoid")).lower()
+        allowed = ("sigmoid", "softmax", "sqrtsoftplus") if v4 else ("sigmoid", "softmax")
+        if scoring not in allowed:
+            raise SpecError(f"{where}: scoring_func {scoring!r} not supported; allowed: {', '.join(allowed)}")
         # noaux_tc (DeepSeek-V3, Kimi-K2) and GLM-4.5's router use e_score_correction_bias
         bias = str(config.get("topk_method", "noaux_tc")).lower() == "noaux_tc"
         routing = Routing(Scoring(scoring), renormalize=bool(config.get("norm_topk_prob", True)),
@@ -125,7 +166,8 @@ def spec_from_config(config: dict, scheme: str | Scheme | None = None, *, name: 
                           routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)))
         spec = MoESpec(hidden_size=H, intermediate_size=int(_get(config, "moe_intermediate_size", where=where)),
                        num_experts=num_experts,
-                       top_k=int(_get(config, "num_experts_per_tok", where=where)), scheme=sch, routing=routing)
+                       top_k=int(_get(config, "num_experts_per_tok", where=where)), scheme=sch, routing=routing,
+                       activation=v4_activation(config, where) if v4 else Activation())
         every = int(config.get("moe_layer_freq", 1))
         first = int(config.get("first_k_dense_replace", 0))
         moe_layers = sum(1 for i in range(first, layers) if i % every == 0)

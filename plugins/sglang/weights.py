@@ -73,7 +73,7 @@ def activation_of(layer) -> tuple[Activation, GateUpLayout] | str:
     if not cfg.is_gated or cfg.activation not in ("silu", "swiglu", "swigluoai"):
         return f"activation {cfg.activation} (gated={cfg.is_gated}); we take gated silu / gpt-oss swiglu"
     if getattr(cfg, "swiglu_limit", None) is not None:
-        return f"silu with swiglu_limit={cfg.swiglu_limit} (we have no clamped plain SwiGLU)"
+        return f"silu with swiglu_limit={cfg.swiglu_limit} (clamped SiLU is not wired for SGLang yet)"
     # SGLang's own description of the loaded rows: gpt-oss checkpoints arrive interleaved
     layout = GateUpLayout.INTERLEAVED if getattr(cfg, "gate_up_interleaved", True) else GateUpLayout.SEPARATED
     if cfg.gemm1_alpha is None and cfg.gemm1_clamp_limit is None:

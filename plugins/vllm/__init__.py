@@ -4,8 +4,9 @@ vLLM loads `register` through the `vllm.general_plugins` entry point in every pr
 (API server, engine core, each worker) before any model is built. With no ATOM flag set
 it returns at once and vLLM runs unchanged. With a flag set it registers, once per
 process, an out-of-tree `RoutedExperts` (a vLLM PluggableLayer, replaceable through
-`register_oot`) whose quant-method choice wraps vLLM's bf16, fp8-block and gpt-oss MXFP4
-methods with ours (MXFP4 as a16w4 or a8w4, by ATOM_MOE_MXFP4_ACT); everything else keeps
+`register_oot`) whose quant-method choice wraps vLLM's bf16, fp8-block and MXFP4 (gpt-oss's
+and the generic one DeepSeek-V4 loads into) methods with ours (MXFP4 as a16w4 or a8w4, by
+ATOM_MOE_MXFP4_ACT); everything else keeps
 vLLM's method with one warning per layer type.
 docs/vllm.md has the launch recipes.
 """
@@ -59,7 +60,8 @@ def register() -> None:
     if cls is None or cls is _registered_cls:
         return
     _registered_cls = cls
-    line = startup_line("vLLM", version, flags, schemes_detail(flags, "gpt-oss"))
+    mxfp4 = "gpt-oss; DeepSeek-V4 and other Mxfp4MoEMethod layers"
+    line = startup_line("vLLM", version, flags, schemes_detail(flags, mxfp4))
     if log.hasHandlers():
         log.info(line)
     else:  # vLLM 0.33 configures its log handler later in some processes: the line must still show

@@ -18,6 +18,7 @@ without Inductor (vLLM calls `quant_method.apply` in both).
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,7 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
-from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4Config, GptOssMxfp4MoEMethod
+from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4Config, GptOssMxfp4MoEMethod, Mxfp4MoEMethod
 
 from ...experts import choose_backend
 from ...layouts.gate_up import GateUpLayout
@@ -48,7 +49,8 @@ _PARAMS = {
     Scheme.FP8: ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv"),
     Scheme.A16W4: ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"),
 }
-_PARAMS[Scheme.A8W4] = _PARAMS[Scheme.A16W4]  # one gpt-oss checkpoint either way: only our layout differs
+_PARAMS[Scheme.A8W4] = _PARAMS[Scheme.A16W4]  # one MXFP4 checkpoint either way: only our layout differs
+_MXFP4_METHODS = (GptOssMxfp4MoEMethod, Mxfp4MoEMethod)  # exact types: the same parameters, e8m0 scales as uint8
 _BIASES = ("w13_bias", "w2_bias")
 
 _flags: Flags | None = None
@@ -90,7 +92,7 @@ class AtomRoutedExperts(RoutedExperts):
         try:
             inner = super()._get_quant_method(prefix, quant_config, moe_config)
         except NotImplementedError as exc:  # vLLM has no kernel for this device; we may still serve the layer
-            inner, no_kernel = _weights_only_method(quant_config, moe_config), exc
+            inner, no_kernel = _weights_only_method(quant_config, moe_config, exc), exc
             if inner is None:
                 raise
         if _flags is None or _flags.mode is Mode.OFF:
@@ -115,17 +117,27 @@ class AtomRoutedExperts(RoutedExperts):
         return super().get_expert_weights()
 
 
-def _weights_only_method(quant_config, moe_config) -> FusedMoEMethodBase | None:
-    """vLLM's gpt-oss MXFP4 method without its kernel choice, for its create_weights only.
+def _weights_only_method(quant_config, moe_config, exc: NotImplementedError) -> FusedMoEMethodBase | None:
+    """vLLM's MXFP4 method without its kernel choice, for its create_weights only (None: not an MXFP4 method).
 
-    GptOssMxfp4MoEMethod.__init__ raises when vLLM has no MXFP4 kernel for the device (the
-    CPU, for one); its create_weights needs only `self.moe`, so we skip the kernel choice.
+    GptOssMxfp4MoEMethod.__init__ and Mxfp4MoEMethod.__init__ raise when vLLM has no MXFP4 kernel
+    for the device (the CPU, for one); their create_weights needs only `self.moe`. The gpt-oss
+    method is known from its config. The generic one is chosen by several configs (Mxfp4Config,
+    DeepSeek-V4/V4.1's, Fp8Config's MXFP4 experts), so rather than re-deriving their choice we take
+    the object vLLM was building: the frame of Mxfp4MoEMethod.__init__ that raised holds it, with
+    its base class and checkpoint settings already set (the kernel choice comes after them).
     """
-    if type(quant_config) is not GptOssMxfp4Config:
-        return None
-    method = GptOssMxfp4MoEMethod.__new__(GptOssMxfp4MoEMethod)
-    FusedMoEMethodBase.__init__(method, moe_config)
-    return method
+    if type(quant_config) is GptOssMxfp4Config:
+        method = GptOssMxfp4MoEMethod.__new__(GptOssMxfp4MoEMethod)
+        FusedMoEMethodBase.__init__(method, moe_config)
+        return method
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code is Mxfp4MoEMethod.__init__.__code__ and type(frame.f_locals.get("self")) is Mxfp4MoEMethod:
+            return frame.f_locals["self"]  # exact type only: subclasses (AMD's V4 method, W4A8) load differently
+        tb = tb.tb_next
+    return None
 
 
 def _scheme_of(layer: RoutedExperts, inner: FusedMoEMethodBase) -> Scheme | str:
@@ -146,17 +158,28 @@ def _scheme_of(layer: RoutedExperts, inner: FusedMoEMethodBase) -> Scheme | str:
         if current_platform.is_fp8_fnuz():
             return "fp8 e4m3fnuz platform (we take e4m3fn only)"
         return Scheme.FP8
-    if kind is GptOssMxfp4MoEMethod:
-        return _flags.mxfp4_scheme  # a16w4 or a8w4 by ATOM_MOE_MXFP4_ACT; same parameters, same loader
-    return f"quant method {kind.__name__} is not one we replace (bf16, fp8 128x128 blocks, gpt-oss mxfp4)"
+    if kind is Mxfp4MoEMethod and getattr(inner.moe, "use_mxfp4_w4a4_dsv4", False):
+        return "MXFP4 activations asked for (VLLM_ROCM_USE_AITER_MOE_A4W4_DSV4=1; we run bf16 or fp8 activations)"
+    if kind in _MXFP4_METHODS:
+        # a16w4 or a8w4 by ATOM_MOE_MXFP4_ACT; same parameters, same loader. Mxfp4MoEMethod's activation_key
+        # (DeepSeek-V4's MXFP8) is a hint to vLLM's kernels only (vLLM's Triton and emulation backends run bf16
+        # activations): the model is the MXFP4 weights and the activation, both taken as they are.
+        return _flags.mxfp4_scheme
+    return f"quant method {kind.__name__} is not one we replace (bf16, fp8 128x128 blocks, mxfp4)"
 
 
 def _activation_of(layer: RoutedExperts, moe) -> tuple[Activation, GateUpLayout] | str:
     act = moe.activation
     if act is MoEActivation.SILU:
-        if layer.swiglu_limit is not None:
-            return f"silu with a clamp limit {layer.swiglu_limit} (we have no clamped SwiGLU)"
-        return Activation(ActivationKind.SWIGLU), GateUpLayout.SEPARATED
+        # vLLM's loader puts w1 (gate) in w13's first half and w3 (up) in its second (_load_w13), for every
+        # method's weights and block scales alike (0.30-0.33)
+        limit = layer.swiglu_limit
+        if limit is None:
+            return Activation(ActivationKind.SWIGLU), GateUpLayout.SEPARATED
+        if isinstance(limit, bool) or not (isinstance(limit, (int, float)) and math.isfinite(limit) and limit > 0):
+            # vLLM's kernels disagree on a limit of 0 (its Triton clamp skips it, its CUDA op clamps at 0)
+            return f"silu with swiglu_limit={limit} (we take a finite limit > 0, or none)"
+        return Activation(ActivationKind.SWIGLU_CLAMP, limit=float(limit)), GateUpLayout.SEPARATED
     if act is MoEActivation.SWIGLUOAI:
         if layer.swiglu_beta not in (None, 1.0):
             return f"swigluoai with beta={layer.swiglu_beta} (we take beta=1)"
@@ -207,6 +230,10 @@ def plan_layer(layer: RoutedExperts, inner: FusedMoEMethodBase, moe) -> LayerPla
     if isinstance(act, str):
         return act
     activation, layout = act
+    if type(inner) is Mxfp4MoEMethod and activation.kind is ActivationKind.SWIGLU_OAI:
+        # gpt-oss's interleaved rows come with its own method and loader; a generic MXFP4 layer's rows follow its
+        # model's loader (per-expert w1/w3 halves, or 0.33's uninterleaved swigluoai): not assumed
+        return "swigluoai on the generic Mxfp4MoEMethod (its gate/up rows depend on the model; we take its silu layers)"
     device = torch.device(moe.device) if moe.device is not None else torch.device("cpu")
     backend = choose_backend(scheme, device)
     if backend is None:
