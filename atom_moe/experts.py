@@ -96,7 +96,10 @@ def allocate_workspace(spec: MoESpec, max_tokens: int, device: torch.device | st
         cursor=torch.empty(E_l, **i32), chunk_counts=torch.empty(routing.sort_chunks(pairs) * E_l, **i32),
         counters=torch.empty(max_tokens * n_counters, **i32),
         n_counters=n_counters,
-        partial=torch.empty(pairs, H, dtype=torch.float32, device=device),
+        # GEMM2's weighted rows; GEMM1's split-K slices borrow it at decode sizes (kernels/gemm1.py),
+        # so it has room for MAX_SPLIT_K slices of [pairs, 2I] there
+        partial=torch.empty(max(pairs, -(-tuning.MAX_SPLIT_K * min(pairs, tuning.SPLIT_MAX_PAIRS) * 2 * I // H)), H,
+                            dtype=torch.float32, device=device),
         inter=torch.empty(rows, I, dtype=FP8_DTYPE if fp8 else torch.bfloat16, device=device),
         inter_scale=torch.empty(rows, -(-I // spec.scheme.inter_group), dtype=torch.float32, device=device)
         if fp8 else None,
@@ -211,7 +214,8 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
                 alpha=act.alpha, limit=act.limit,
                 block_m=cfg.block_m, block_n=cfg.block_n1, block_k=cfg.block_k1,
                 num_warps=cfg.warps1, num_stages=cfg.stages1, group_m=cfg.group_m, mx_big=weights.mx_scale_max > 128,
-                w13_rowexp_t=weights.w13_rowexp, mx_flush=weights.mx_flush)
+                w13_rowexp_t=weights.w13_rowexp, mx_flush=weights.mx_flush,
+                split_k=cfg.split_k1, partial=ws.partial)
     separate = remote is None and (combine == "separate" or (combine is None and T * k >= gemm2.SEPARATE_MIN_PAIRS))
     partial = gemm2.separate_partial(ws.partial, out) if separate else ws.partial
     gemm2.gemm2(ws.inter, ws.inter_scale, weights.w2, weights.w2_scale, weights.w2_bias,

@@ -3,7 +3,9 @@
 Weights: bf16, fp8 (128x128 block scales) or MXFP4 (a16w4 / a8w4: MX tiles, int32 words of
 e2m1 codes + e8m0 scales, decoded in registers by kernels/mxfp4.py).
 
-Token rows are read through the sorted pair list (no permuted copy of x). w13 rows are
+Token rows are read through the sorted pair list (no permuted copy of x). Small batches can split
+K (split_k): decode's few row blocks give fp8's 256-wide tiles fewer programs than SMs (DeepSeek-V3
+at T = 1: 128), so each slice of K gets its own program and a second launch adds the slices. w13 rows are
 INTERLEAVED (row 2j = gate j, row 2j+1 = up j), so a tile of BLOCK_N rows holds BLOCK_N/2
 complete (gate, up) pairs and the activation runs in registers. With e4m3 activations the
 tile spans whole quant groups of GEMM2's input, so the epilogue also quantizes it per token
@@ -34,12 +36,15 @@ from .mainloop import k_loop, tile_expert, tile_finish, tile_rows, tile_start
 from .mxfp4 import launch_args, rowexp_arg
 
 GROUP = 128  # host-side twin of common.QGROUP
+MAX_SPLIT_K = 8  # K slices of split-K GEMM1
+SPLIT_MAX_PAIRS = 128  # (token, slot) pairs up to which GEMM1 may split K (T <= 16 at top-8)
 
 
 @triton.jit
 def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr, block_expert_ptr,
                   out_ptr, outs_ptr, num_pairs, top_k, hidden, inter, n_blocks, alpha, limit, row_blocks, k_blocks,
-                  FP8: tl.constexpr, W4: tl.constexpr, BIG: tl.constexpr, OAI: tl.constexpr, CLAMP: tl.constexpr,
+                  part_ptr, k_span, SPLIT: tl.constexpr, PHASE: tl.constexpr, FP8: tl.constexpr, W4: tl.constexpr,
+                  BIG: tl.constexpr, OAI: tl.constexpr, CLAMP: tl.constexpr,
                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, IGROUP: tl.constexpr, INTERP: tl.constexpr):
     n_out = 2 * inter
@@ -60,8 +65,27 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, 
         k_groups = tl.cdiv(hidden, QGROUP)
         ws_ptrs = ws_ptr + e64 * (tl.cdiv(inter, QGROUP) * 2 * k_groups) \
             + (n // 2 // QGROUP) * (2 * k_groups) + (n % 2) * k_groups
-    acc = k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_ptrs, n_ok, w_off, s_off, nb_ok, kb, k_blocks,
-                 hidden, QGROUP, FP8, W4, BIG, BLOCK_M, BLOCK_N, BLOCK_K, INTERP)
+    # PHASE 0: the whole K. Split-K (decode: too few tiles to fill the SMs), PHASE 1: program (tile, s)
+    # stores the fp32 sum over its K slice [s * k_span, (s + 1) * k_span) to part[s, pair]; PHASE 2 (a
+    # second launch, one program per tile) adds the SPLIT slices in order s = 0, 1, ... (deterministic)
+    # and runs the epilogue below.
+    p_ptrs = part_ptr + pair.to(tl.int64)[:, None] * n_out + n[None, :]
+    slab = num_pairs.to(tl.int64) * n_out  # one K slice's rows
+    if PHASE == 2:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for s in range(SPLIT):
+            acc += tl.load(p_ptrs + s * slab, mask=row_ok[:, None] & n_ok[None, :], other=0.0)
+    else:
+        k_lo = 0
+        k_hi = hidden
+        if PHASE == 1:
+            k_lo = tl.program_id(1) * k_span
+            k_hi = tl.minimum(k_lo + k_span, hidden)
+        acc = k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_ptrs, n_ok, w_off, s_off, nb_ok, kb,
+                     k_blocks, hidden, k_lo, k_hi, QGROUP, FP8, W4, BIG, BLOCK_M, BLOCK_N, BLOCK_K, INTERP)
+        if PHASE == 1:
+            tl.store(p_ptrs + tl.program_id(1) * slab, acc, mask=row_ok[:, None] & n_ok[None, :])
+            return
     acc = tile_finish(acc, rowexp_ptr, bias_ptr, e64, n, n_ok, n_out, FP8, W4, HAS_BIAS)
     gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
     if OAI or CLAMP:
@@ -99,7 +123,8 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
           top_k: int, out: torch.Tensor, out_scale: torch.Tensor | None, *, oai: bool, alpha: float,
           limit: float, block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
           group_m: int = 8, mx_big: bool = False, w13_rowexp_t: GateUpTensor | None = None,
-          mx_flush: bool = False, clamp: bool = False) -> None:
+          mx_flush: bool = False, clamp: bool = False, split_k: int = 1,
+          partial: torch.Tensor | None = None) -> None:
     """out[row, :I] = act(x[token(row)] @ w13[expert(row)]^T (+bias)), fp8-quantized when out_scale is given.
 
     act: silu(gate) * up; with clamp (DeepSeek-V4) gate <= limit and |up| <= limit first; with oai
@@ -107,7 +132,10 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
 
     MXFP4 w13 comes as MX tiles (a16w4; mx_big: some e8m0 scale is above 128) or, with e4m3
     activations (a8w4), as MX quads with their row exponents w13_rowexp_t (mx_flush: some
-    blocks are flushed, atom_moe/layouts/mx_quads.py).
+    blocks are flushed, atom_moe/layouts/mx_quads.py). split_k > 1 (bf16, fp8) splits K that many
+    ways over a second grid axis and adds the slices in a second launch, through `partial` (fp32,
+    >= split_k * T * top_k * 2I elements: GEMM2's scratch, free while GEMM1 runs; allocate_workspace
+    sizes it for split-K at decode batches).
     """
     # The pairing of gate and up rows is checked, never assumed: a mispaired layout runs fine
     # and silently ruins accuracy.
@@ -147,14 +175,41 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
         raise ValueError("GEMM1: oai already clamps; pass clamp only for clamped SiLU (swiglu_clamp)")
     if block_n % 2:
         raise ValueError(f"GEMM1 block_n must be even (gate/up pairs), got {block_n}")
+    split = check_split(split_k, w4, num_tokens * top_k, 2 * inter, hidden, block_k, partial)
     # BIG is each MX layout's one compile-time switch: a16w4's scales above 128, a8w4's flushed blocks
-    grid = (n_blocks * triton.cdiv(2 * inter, block_n),)
-    _gemm1_kernel[grid](
-        x, x.stride(0), x_scale if fp8 else x, w13, w13_scale if w13_scale is not None else w13, rowexp,
-        w13_bias if w13_bias is not None else w13, sorted_ids, block_expert,
-        out, out_scale if fp8 else out, num_tokens * top_k, top_k, hidden, inter, n_blocks,
-        float(alpha), float(limit), row_blocks, k_blocks,
-        FP8=fp8, W4=w4, BIG=w4 and (mx_flush if fp8 else mx_big), OAI=oai, CLAMP=clamp, HAS_BIAS=w13_bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        GROUP_M=group_m, IGROUP=igroup, INTERP=interpreting(), num_warps=num_warps, num_stages=num_stages,
-    )
+    tiles = n_blocks * triton.cdiv(2 * inter, block_n)
+    args = (x, x.stride(0), x_scale if fp8 else x, w13, w13_scale if w13_scale is not None else w13, rowexp,
+            w13_bias if w13_bias is not None else w13, sorted_ids, block_expert,
+            out, out_scale if fp8 else out, num_tokens * top_k, top_k, hidden, inter, n_blocks,
+            float(alpha), float(limit), row_blocks, k_blocks,
+            partial if split > 1 else out, triton.cdiv(triton.cdiv(hidden, block_k), split) * block_k)
+    meta = dict(SPLIT=split, FP8=fp8, W4=w4, BIG=w4 and (mx_flush if fp8 else mx_big), OAI=oai,
+                CLAMP=clamp, HAS_BIAS=w13_bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                GROUP_M=group_m, IGROUP=igroup, INTERP=interpreting(), num_warps=num_warps, num_stages=num_stages)
+    if split == 1:
+        _gemm1_kernel[(tiles,)](*args, PHASE=0, **meta)
+    else:
+        _gemm1_kernel[(tiles, split)](*args, PHASE=1, **meta)
+        _gemm1_kernel[(tiles,)](*args, PHASE=2, **meta)
+
+
+def check_split(split_k: int, w4: bool, num_pairs: int, n_out: int, hidden: int, block_k: int,
+                partial: torch.Tensor | None) -> int:
+    """split_k if GEMM1 can split K that many ways here (bf16/fp8, a decode batch, room in `partial`), else a ValueError."""
+    if not isinstance(split_k, int) or not 1 <= split_k <= MAX_SPLIT_K:
+        raise ValueError(f"GEMM1 split_k must be an int in [1, {MAX_SPLIT_K}], got {split_k!r}")
+    if split_k == 1:
+        return 1
+    if w4:
+        raise ValueError(f"GEMM1 split_k={split_k}: split-K runs bf16 and fp8 weights only (MXFP4 tiles start at k = 0)")
+    if num_pairs > SPLIT_MAX_PAIRS:
+        raise ValueError(f"GEMM1 split_k={split_k} is for decode batches of at most {SPLIT_MAX_PAIRS} (token, slot) "
+                         f"pairs, got {num_pairs}")
+    if triton.cdiv(hidden, block_k) < split_k:
+        raise ValueError(f"GEMM1 split_k={split_k} exceeds the {triton.cdiv(hidden, block_k)} K steps of {block_k}")
+    need = split_k * num_pairs * n_out
+    if partial is None or partial.dtype != torch.float32 or partial.numel() < need:
+        have = "none" if partial is None else f"{partial.numel()} {partial.dtype}"
+        raise ValueError(f"GEMM1 split_k={split_k} needs an fp32 partial buffer of split_k * pairs * 2I = {need} "
+                         f"elements, got {have} (atom_moe.experts.allocate_workspace sizes it)")
+    return split_k

@@ -69,23 +69,27 @@ def tile_start(a_ptr, a_rows, stride_a, as_ptr, w_ptr, e64, pid_n, n, n_total, K
 
 @triton.jit
 def k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_ptrs, n_ok, w_off, s_off, nb_ok, kb, k_blocks, K,
-           AGROUP: tl.constexpr, FP8: tl.constexpr, W4: tl.constexpr, BIG: tl.constexpr, BLOCK_M: tl.constexpr,
+           k_lo, k_hi, AGROUP: tl.constexpr, FP8: tl.constexpr, W4: tl.constexpr, BIG: tl.constexpr, BLOCK_M: tl.constexpr,
            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERP: tl.constexpr):
-    """The fp32 accumulator of one tile over K: [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] (transposed) for W4.
+    """The fp32 accumulator of one tile over k in [k_lo, k_hi): [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] for W4.
 
     a_ptrs: activation tile pointers ([BLOCK_M, BLOCK_K], or [BLOCK_K, BLOCK_M] for W4) at k = 0;
     as_ptrs: each row's first activation scale (FP8), AGROUP columns per scale; w_ptrs / ws_ptrs:
     bf16/fp8 weight tile and block-scale pointers; w_off, s_off, nb_ok, kb: the MX tile offsets
-    (W4, from mxfp4.tile_offsets). Pointers of the unused kind are never read.
+    (W4, from mxfp4.tile_offsets). Pointers of the unused kind are never read. k_lo > 0 (split-K,
+    bf16/fp8 only: the host refuses it for MXFP4) must be a multiple of BLOCK_K; K bounds the masks.
     """
     kk = tl.arange(0, BLOCK_K)
+    if not W4:  # k_lo is 0 for MXFP4, whose offsets start at k = 0
+        a_ptrs += k_lo
+        w_ptrs += k_lo
     if W4:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # out^T
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if W4 and FP8:  # activation scales one K step ahead: a plain load would stall every step
         a_s_next = tl.load(as_ptrs, mask=row_ok, other=0.0)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k_ok = (k0 + kk) < K
         if W4:
             a = tl.load(a_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)

@@ -6,7 +6,8 @@ machine does not have (sm_90a: H100/H200; gfx942, gfx950: MI300X, MI355X). No GP
 
 The real launchers run on small CPU tensors with Triton's launch replaced by a recorder: the
 experts step (routing, GEMM1, GEMM2, the separate combine) for every scheme and every tile
-variant the tables or the heuristic can pick, and MegaMoE's
+variant the tables or the heuristic can pick (bf16 and fp8 row-block-16 tiles also with GEMM1 split
+over K, both of its launches), and MegaMoE's
 symm transport (dispatch, barrier, combine) with two simulated ranks; then the same for the served
 presets' routing geometry (E 257 with a fused shared slot and top-k 9, E 384 with top-k 6) with the
 heuristic's picks for their real shapes, the two-launch routing sort included. Each distinct (kernel, argument types, compile-time values, warps, stages) is then
@@ -19,6 +20,7 @@ longer lowers a kernel, a tile that does not fit).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -117,6 +119,9 @@ def _exercise() -> None:
         fused_experts(x, w, ids, weights, spec, combine="separate")
         for config in configs.get(scheme, ()):
             fused_experts(x, w, ids, weights, spec, config=config)
+        if scheme in ("bf16", "fp8"):  # split-K GEMM1 (both launches), as tune may pick it for decode
+            for config in {c for c in configs[scheme] if c.block_m == tuning.MIN_BLOCK_M}:
+                fused_experts(x, w, ids, weights, spec, config=dataclasses.replace(config, split_k1=2))
         for wire in ("bf16", "fp8") if spec.scheme.fp8_activations else ("bf16",):
             _exercise_symm(spec, raw, wire, T, g)
     _exercise_served(g)
@@ -190,7 +195,8 @@ def table_configs(schemes: tuple[str, ...]) -> dict[str, list[tuning.TileConfig]
         with open(path, newline="") as fh:
             for row in csv.DictReader(fh):
                 if row["scheme"] in out:
-                    out[row["scheme"]].add(tuning.TileConfig(*(int(row[c]) for c in tuning.CONFIG_COLUMNS)))
+                    out[row["scheme"]].add(tuning.TileConfig(*(int(row[c]) if row.get(c) else tuning.OPTIONAL_COLUMNS[c]
+                                                               for c in tuning.CONFIG_COLUMNS)))
     for spec in PRESETS.values():
         for scheme in schemes:
             for tokens in TOKENS:

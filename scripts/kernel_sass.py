@@ -62,7 +62,8 @@ def signature(kernel: str, scheme: str) -> tuple[object, dict, list[str]]:
                "rowexp_ptr": "*u8", "bias_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32",
                "out_ptr": act,
                "outs_ptr": "*fp32", "num_pairs": "i32", "top_k": "i32", "hidden": "i32", "inter": "i32",
-               "n_blocks": "i32", "alpha": "fp32", "limit": "fp32", "row_blocks": "i32", "k_blocks": "i32"}
+               "n_blocks": "i32", "alpha": "fp32", "limit": "fp32", "row_blocks": "i32", "k_blocks": "i32",
+               "part_ptr": "*fp32", "k_span": "i32"}
         div = ["x_ptr", "stride_x", "xs_ptr", "w_ptr", "ws_ptr", "bias_ptr", "sorted_ptr", "block_expert_ptr",
                "out_ptr", "outs_ptr", "hidden", "inter"]
         return _gemm1_kernel, sig, div
@@ -86,7 +87,7 @@ def constexprs(kernel: str, scheme: str, block_m: int, block_n: int, block_k: in
                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
                   IGROUP=Scheme(scheme).inter_group, INTERP=False)
     if kernel == "gemm1":
-        return {**common, "OAI": True}
+        return {**common, "OAI": True, "CLAMP": False, "SPLIT": 1, "PHASE": 0}
     return {**common, "TOPK": top_k, "KP2": triton.next_power_of_2(top_k), "REMOTE": False, "SEPARATE": separate}
 
 

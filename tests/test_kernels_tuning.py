@@ -11,9 +11,9 @@ from atom_moe.kernels import tuning
 HEADER = ",".join(tuning.COLUMNS)
 
 
-def _row(device, scheme, H, I, E, k, tokens, block_m, us=1.0, n1=128):
+def _row(device, scheme, H, I, E, k, tokens, block_m, us=1.0, n1=128, split=1):
     k1 = 128 if scheme == "fp8" else 64
-    return f"{device},{scheme},{H},{I},{E},{k},{tokens},{block_m},{n1},{k1},4,3,128,{k1},4,3,8,{us}"
+    return f"{device},{scheme},{H},{I},{E},{k},{tokens},{block_m},{n1},{k1},4,3,128,{k1},4,3,8,{split},{us}"
 
 
 @pytest.fixture(autouse=True)
@@ -76,6 +76,19 @@ def test_bad_tables_and_dirs_are_named(tmp_path, monkeypatch):
     tuning.clear_cache()
     with pytest.raises(tuning.ConfigError, match="not a directory"):
         tuning.lookup("x", "bf16", 8, 8, 2, 1, 1)
+
+
+def test_split_k_column_is_optional(tmp_path, monkeypatch):
+    # tables from before split-K have no split_k1 column: their rows read as 1; newer rows carry it
+    old_header = ",".join(c for c in tuning.COLUMNS if c != "split_k1")
+    old_row = _row("x", "bf16", 512, 256, 16, 4, 1, 16).rsplit(",", 2)
+    (tmp_path / "old.csv").write_text(f"{old_header}\n{old_row[0]},{old_row[2]}\n")
+    monkeypatch.setenv("ATOM_MOE_CONFIG_DIR", str(tmp_path))
+    assert tuning.lookup("x", "bf16", 512, 256, 16, 4, 1).split_k1 == 1
+    (tmp_path / "old.csv").unlink()
+    _write(tmp_path / "new.csv", [_row("x", "bf16", 512, 256, 16, 4, 1, 16, split=4)])
+    tuning.clear_cache()
+    assert tuning.lookup("x", "bf16", 512, 256, 16, 4, 1).split_k1 == 4
 
 
 def test_tuned_row_with_invalid_tiles_is_rejected(tmp_path, monkeypatch):

@@ -105,6 +105,7 @@ class Result:
 TILES = ((64, 64), (64, 128), (128, 64), (128, 128), (256, 64), (256, 128))  # (block_n, block_k)
 LAUNCH = ((4, 3), (4, 4), (8, 3), (8, 4))  # (num_warps, num_stages)
 BLOCK_MS = (16, 32, 64, 128)
+SPLITS = (2, 4, 8)  # GEMM1 K splits tried for decode batches (kernels/gemm1.py: SPLIT_MAX_PAIRS)
 
 
 def triton_candidates(key: Key, space: str = "tied") -> list:
@@ -132,6 +133,9 @@ def triton_candidates(key: Key, space: str = "tied") -> list:
                         cfg = t.TileConfig(bm, n1, k1, w1, s1, n2, k2, w2, s2, h.group_m)
                         if _valid(t, *_tiles(cfg), key.scheme):
                             out.append(cfg)
+    # decode: GEMM1 split over K (bf16, fp8), for the smallest row block's configs
+    if key.tokens * key.top_k <= t.SPLIT_MAX_PAIRS and key.scheme not in t.MXFP4:
+        out += [replace(c, split_k1=s) for c in out if c.block_m == min(bms) for s in SPLITS]
     return list(dict.fromkeys(out))
 
 

@@ -1,0 +1,114 @@
+"""Split-K GEMM1 (decode batches, bf16 and fp8) against the unsplit kernels, the torch twin and the oracle.
+
+CPU, TRITON_INTERPRET=1. H is chosen so the K slices are uneven and, at the largest split, the
+last slice is empty (its programs store zeros): split 3 of 4 K steps gives slices of 2, 2, 0.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernel_cases import make_layer, make_routing, reference, rel_err  # noqa: E402
+
+from atom_moe.experts import allocate_workspace, fused_experts  # noqa: E402
+from atom_moe.experts_torch import experts_torch  # noqa: E402
+from atom_moe.kernels import gemm1  # noqa: E402
+from atom_moe.kernels.tuning import ConfigError, TileConfig  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+# (scheme, H, I, E, k, T, mode); fp8's GEMM1 tile is 256 wide and steps K by 128
+CASES = [
+    ("bf16", 448, 96, 6, 3, 1, "random"),
+    ("bf16", 448, 160, 8, 4, 5, "sentinels"),
+    ("bf16", 200, 96, 6, 2, 16, "one_expert"),
+    ("fp8", 448, 256, 6, 3, 1, "random"),
+    ("fp8", 448, 192, 8, 4, 7, "sentinels"),
+]
+
+
+def config(scheme: str, split: int) -> TileConfig:
+    if scheme == "fp8":
+        return TileConfig(16, 256, 128, 4, 2, 64, 128, 4, 2, split_k1=split)
+    return TileConfig(16, 64, 64, 4, 2, 64, 64, 4, 2, split_k1=split)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(v) for v in c))
+def test_split_k_matches_unsplit_and_reference(seed, case):
+    scheme, H, I, E, k, T, mode = case
+    spec, p = make_layer(H, I, E, k, scheme, device=DEVICE)
+    w, ids = make_routing(T, E, k, mode=mode, device=DEVICE)
+    x = torch.randn(T, H, device=DEVICE).to(torch.bfloat16)
+    twin = experts_torch(x, w, ids, p, spec)
+    oracle = reference(x, w, ids, spec, p, act_quant=scheme == "fp8")
+    whole = fused_experts(x, w, ids, p, spec, config=config(scheme, 1))
+    steps = -(-H // config(scheme, 1).block_k1)
+    for split in (2, 3, steps, 8):
+        if split > steps:
+            continue
+        ws = allocate_workspace(spec, T, DEVICE)
+        ws.partial.view(torch.uint8).fill_(0xFF)  # NaN: a slice the second launch reads unwritten shows
+        got = fused_experts(x, w, ids, p, spec, config=config(scheme, split), workspace=ws)
+        assert torch.isfinite(got).all(), f"split {split}: unwritten or NaN output"
+        # the slices are added in a fixed order: the same function as the unsplit kernel up to fp32
+        # summation order (and, for fp8, a quant code at a rounding tie), every element
+        scale = float(whole.float().abs().max())
+        worst = float((got.float() - whole.float()).abs().max())
+        assert worst <= 2e-2 * scale, f"split {split}: an element {worst:.3g} off the unsplit kernel ({scale:.3g})"
+        assert rel_err(got, twin) <= 1e-2 and rel_err(got, oracle) <= 1e-2, f"split {split}"
+        again = fused_experts(x, w, ids, p, spec, config=config(scheme, split), workspace=ws)
+        assert torch.equal(again, got), f"split {split}: not deterministic"
+
+
+def test_split_k_is_refused_where_it_does_not_run(seed):
+    spec, p = make_layer(448, 96, 6, 3, "bf16", device=DEVICE)
+    w, ids = make_routing(64, 6, 3, device=DEVICE)  # 192 pairs: above the decode bound
+    x = torch.randn(64, 448, device=DEVICE).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="decode batches of at most 128"):
+        fused_experts(x, w, ids, p, spec, config=config("bf16", 2))
+    with pytest.raises(ValueError, match="exceeds the 7 K steps"):
+        fused_experts(x[:2], w[:2], ids[:2], p, spec, config=TileConfig(16, 64, 64, 4, 2, 64, 64, 4, 2, split_k1=8))
+    with pytest.raises(ConfigError, match="split_k1=2: allowed 1..8 for bf16 and fp8, 1 for MXFP4"):
+        TileConfig(16, 64, 64, 4, 2, 64, 64, 4, 2, split_k1=2).check("a16w4")
+    with pytest.raises(ConfigError, match="split_k1=9"):
+        TileConfig(16, 64, 64, 4, 2, 64, 64, 4, 2, split_k1=9).check("bf16")
+    with pytest.raises(ValueError, match="needs an fp32 partial buffer"):
+        gemm1.check_split(2, False, 8, 192, 448, 64, torch.empty(10))
+
+
+def test_workspace_has_room_for_every_split_at_decode_sizes():
+    # a workspace sized exactly for one token still takes the largest split
+    spec, _ = make_layer(200, 160, 6, 3, "bf16", device=DEVICE)
+    ws = allocate_workspace(spec, 1, DEVICE)
+    assert ws.partial.numel() >= gemm1.MAX_SPLIT_K * 1 * 3 * 2 * 160
+    gemm1.check_split(gemm1.MAX_SPLIT_K, False, 3, 2 * 160, 200 * 8, 64, ws.partial)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+def test_split_k_on_the_gpu_at_deepseek_v3_dims(seed, scheme):
+    # DeepSeek-V3's H and I (16 of its experts, top-8), T = 1 and 8, every split, then a graph replay of
+    # new routing: the same checks as on the CPU, at the shape split-K is for
+    spec, p = make_layer(7168, 2048, 16, 8, scheme, device="cuda")
+    for T in (1, 8):
+        w, ids = make_routing(T, 16, 8, device="cuda")
+        x = torch.randn(T, 7168, device="cuda").to(torch.bfloat16)
+        twin = experts_torch(x, w, ids, p, spec)
+        whole = fused_experts(x, w, ids, p, spec, config=config(scheme, 1))
+        ws = allocate_workspace(spec, T, "cuda")
+        for split in (2, 4, 8):
+            got = fused_experts(x, w, ids, p, spec, config=config(scheme, split), workspace=ws)
+            scale = float(whole.float().abs().max())
+            assert float((got.float() - whole.float()).abs().max()) <= 2e-2 * scale, f"T={T} split {split}"
+            assert rel_err(got, twin) <= 1e-2, f"T={T} split {split}"
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fused_experts(x, w, ids, p, spec, config=config(scheme, 4), workspace=ws)
+        w2, ids2 = make_routing(T, 16, 8, device="cuda")
+        w.copy_(w2), ids.copy_(ids2)
+        graph.replay()
+        assert torch.equal(out, fused_experts(x, w, ids, p, spec, config=config(scheme, 4), workspace=ws))
