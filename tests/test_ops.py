@@ -52,10 +52,13 @@ class Block(torch.nn.Module):
         self.gate = torch.nn.Parameter(gate, requires_grad=False)
 
     def forward(self, x):
+        """(the block's output, its routing weights, ids)."""
         logits = x.float() @ self.gate.T
         w, ids = torch.topk(torch.softmax(logits, dim=-1), K, dim=-1)
-        out = getattr(torch.ops.atom_moe, self.op)(x, w.contiguous(), ids.contiguous(), self.handle)
-        return x + out
+        return self.moe(x, w, ids), w, ids
+
+    def moe(self, x, w, ids):
+        return x + getattr(torch.ops.atom_moe, self.op)(x, w.contiguous(), ids.contiguous(), self.handle)
 
 
 def backends():
@@ -96,8 +99,13 @@ def test_compiled_block_does_not_trace_into_our_path(op_name, seed):
     g = torch.Generator().manual_seed(seed)
     for T in (C, 7):
         x, _, _ = random_tokens(spec, T, generator=g)
-        got, want = compiled(x), block(x)
-        assert got.shape == (T, H) and torch.equal(got, want)
+        (got, w, ids), (_, w_eager, ids_eager) = compiled(x), block(x)
+        # our op inside the graph equals our op eagerly on the graph's routing, every element; Inductor's
+        # softmax may round the routing differently from eager (CI 2026-12-02, seed 984367895), so the
+        # routing itself is compared separately: same experts, weights within fp32 rounding
+        assert got.shape == (T, H) and torch.equal(got, block.moe(x, w, ids))
+        assert torch.equal(ids, ids_eager)
+        torch.testing.assert_close(w, w_eager, rtol=1e-5, atol=1e-6)
     if megamoe is not None:
         megamoe.close()
     ops.unbind(handle)
