@@ -157,6 +157,31 @@ def process(runner) -> None:
     runner.routed_experts.quant_method.process_weights_after_loading(runner.routed_experts)
 
 
+def process_and_check_freed(runner, experts, count: int) -> None:
+    """Process the loaded weights and check vLLM's `count` original expert tensors are freed and unregistered."""
+    originals = [weakref.ref(p) for n, p in experts.named_parameters() if n.startswith(("w13", "w2"))]
+    assert len(originals) == count, f"{len(originals)} original expert tensors, expected {count}"
+    process(runner)
+    gc.collect()
+    assert all(r() is None for r in originals), "vLLM's original expert weights are still alive"
+    assert not [n for n, _ in experts.named_parameters() if n.startswith(("w13", "w2"))]
+
+
+def spy_apply(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Record (x, topk_weights, topk_ids) of every AtomMoEMethod.apply call (vLLM passes them by name or position)."""
+    from atom_moe.plugins.vllm import method as m
+    given = []
+    real = m.AtomMoEMethod.apply
+
+    def spy(self, *args, **kwargs):
+        bound = inspect.signature(real).bind(self, *args, **kwargs).arguments
+        given.append((bound["x"], bound["topk_weights"], bound["topk_ids"]))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(m.AtomMoEMethod, "apply", spy)
+    return given
+
+
 def route(logits: torch.Tensor, k: int = K) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax top-k with renormalization (vLLM's default router), computed independently."""
     w, ids = torch.topk(torch.softmax(logits.float(), dim=-1), k, dim=-1)
@@ -282,12 +307,7 @@ def test_weights_load_release_and_forward(configs, scheme, seed):
     tensors, ref = hf_tensors(scheme, gen)
     load(runner, scheme, tensors)
     experts = runner.routed_experts
-    originals = [weakref.ref(p) for n, p in experts.named_parameters() if n.startswith(("w13", "w2"))]
-    assert len(originals) == (6 if scheme == "mxfp4" else 4 if scheme == "fp8" else 2)
-    process(runner)
-    gc.collect()
-    assert all(r() is None for r in originals), "vLLM's original expert weights are still alive"
-    assert not [n for n, _ in experts.named_parameters() if n.startswith(("w13", "w2"))]
+    process_and_check_freed(runner, experts, 6 if scheme == "mxfp4" else 4 if scheme == "fp8" else 2)
     prepared = experts.atom_moe_weights
     assert prepared is experts.quant_method.weights
     assert prepared.w13.layout is GateUpLayout.INTERLEAVED and prepared.num_local_experts == E
@@ -320,28 +340,13 @@ def _mxfp4_layer_run(cfg, seed: int, monkeypatch):
     What it was given is the (x, topk_weights, topk_ids) vLLM's router handed our apply, so our own
     a8w4 twin can be run on exactly the same routing.
     """
-    from atom_moe.plugins.vllm import method as m
-
     gen = torch.Generator().manual_seed(seed)
     runner = build("mxfp4", cfg)
     tensors, ref = hf_tensors("mxfp4", gen)
     load(runner, "mxfp4", tensors)
     experts = runner.routed_experts
-    originals = [weakref.ref(p) for n, p in experts.named_parameters() if n.startswith(("w13", "w2"))]
-    assert len(originals) == 6  # blocks, scales, biases of w13 and w2
-    process(runner)
-    gc.collect()
-    assert all(r() is None for r in originals), "vLLM's original MXFP4 weights are still alive"
-    assert not [n for n, _ in experts.named_parameters() if n.startswith(("w13", "w2"))]
-    given = []
-    real = m.AtomMoEMethod.apply
-
-    def spy(self, *args, **kwargs):  # vLLM may pass apply's arguments by name or by position
-        bound = inspect.signature(real).bind(self, *args, **kwargs).arguments
-        given.append((bound["x"], bound["topk_weights"], bound["topk_ids"]))
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(m.AtomMoEMethod, "apply", spy)
+    process_and_check_freed(runner, experts, 6)  # blocks, scales, biases of w13 and w2
+    given = spy_apply(monkeypatch)
     x, logits = torch.randn(37, H, generator=gen).bfloat16(), torch.randn(37, E, generator=gen)
     out = forward(cfg, runner, x, logits)
     assert len(given) == 1
@@ -416,28 +421,14 @@ def build_v4(cfg: VllmConfig, **overrides):
 
 def _v4_layer_run(cfg, seed: int, monkeypatch, std: float = 30.0):
     """A DeepSeek-V4 layer through vLLM's factory, loader and runner: (method, out, (x, w, ids) given to apply, ref)."""
-    from atom_moe.plugins.vllm import method as m
-
     gen = torch.Generator().manual_seed(seed)
     runner = build_v4(cfg)
     tensors, ref = v4_checkpoint(gen, std)
     names = list(runner.load_weights(iter(tensors.items())))
     assert len(names) == len(tensors), f"vLLM's loader took {len(names)} of {len(tensors)} tensors"
     experts = runner.routed_experts
-    originals = [weakref.ref(p) for n, p in experts.named_parameters() if n.startswith(("w13", "w2"))]
-    assert len(originals) == 4  # weights and scales of w13 and w2
-    process(runner)
-    gc.collect()
-    assert all(r() is None for r in originals), "vLLM's original MXFP4 weights are still alive"
-    given = []
-    real = m.AtomMoEMethod.apply
-
-    def spy(self, *args, **kwargs):
-        bound = inspect.signature(real).bind(self, *args, **kwargs).arguments
-        given.append((bound["x"], bound["topk_weights"], bound["topk_ids"]))
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(m.AtomMoEMethod, "apply", spy)
+    process_and_check_freed(runner, experts, 4)  # weights and scales of w13 and w2
+    given = spy_apply(monkeypatch)
     x, logits = torch.randn(64, H, generator=gen).bfloat16(), torch.randn(64, E, generator=gen)
     out = forward(cfg, runner, x, logits)
     assert len(given) == 1
