@@ -115,14 +115,20 @@ def _sort_program(ids_ptr, emap_ptr, sorted_ptr, block_expert_ptr, cursor_ptr, i
         tl.store(sorted_ptr + r, tl.zeros([CHUNK], dtype=tl.int32) + num_pairs, mask=r < n_rows)
     # Block b belongs to the expert whose block range holds it: the count of experts ending
     # at or before b (empty experts end where the previous one did, so they count too).
+    # Owners only for the blocks in use, whose count follows the pairs that came, not the capacity:
+    # a decode op sized for 128 tokens per rank spent 9 us per call walking its ~256 mostly empty
+    # blocks 16 at a time on this one program at T = 1 (docs/perf/ep-instances-h200.md); the rest
+    # get -1 (no work) in wide stores.
     blk_end = row_end // BLOCK_M
     total_blocks = tl.sum(padded, 0) // BLOCK_M
-    for start in range(0, n_blocks, BB):
+    for start in range(0, total_blocks, BB):
         b = start + tl.arange(0, BB)
         ended = (blk_end[None, :] <= b[:, None]) & (e[None, :] < num_local)
         owner = tl.sum(ended.to(tl.int32), 1)
-        owner = tl.where(b < total_blocks, owner, -1)
-        tl.store(block_expert_ptr + b, owner, mask=b < n_blocks)
+        tl.store(block_expert_ptr + b, owner, mask=b < total_blocks)
+    for start in range(total_blocks, n_blocks, CHUNK):
+        b = start + tl.arange(0, CHUNK)
+        tl.store(block_expert_ptr + b, tl.full([CHUNK], -1, tl.int32), mask=b < n_blocks)
     tl.debug_barrier()  # cursor and padding stores before the scatter below
     # Pass 3: scatter. The order inside an expert's rows is arrival order; it does not
     # change any result bit (each GEMM row is computed on its own, the combine sums in

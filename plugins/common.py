@@ -27,7 +27,8 @@ FLAG_MXFP4_ACT = "ATOM_MOE_MXFP4_ACT"  # activations of MXFP4 expert layers: bf1
 # and ~20x more accurate; a8w4 wins only at T=1 (docs/vllm.md has the numbers)
 MXFP4_ACTS = {"bf16": Scheme.A16W4, "fp8": Scheme.A8W4}
 # fused mode: a second, small MegaMoE per layer shape for steps of at most this many tokens per rank
-# (atom_moe.ep.MegaMoEInstances; default atom_moe.ep.DECODE_TOKENS = 128; 0: one op for every step)
+# (atom_moe.ep.MegaMoEInstances; default atom_moe.ep.DECODE_TOKENS = 128; 0: one op for every step),
+# and below it one of atom_moe.ep.SMALL_DECODE_TOKENS = 8 (atom_moe.ep.decode_capacities)
 FLAG_DECODE_TOKENS = "ATOM_MOE_DECODE_TOKENS"
 
 _TRUE = ("1", "true", "yes", "on")
@@ -134,19 +135,19 @@ def build_fused_op(spec: MoESpec, group, cpu_group, *, tokens: int, decode_token
 
     The pair's decode buffers come on top of the planned ones: on CUDA they must fit in what is free.
     """
-    from ..ep import MegaMoE, MegaMoEInstances, buffer_sizes
+    from ..ep import MegaMoE, MegaMoEInstances, buffer_sizes, decode_capacities
 
     if decode_tokens is None:
         return MegaMoE(spec, group, cpu_group=cpu_group, max_tokens_per_rank=tokens, transport=transport,
                        experts_backend=backend, device=device)
     if device.type == "cuda":
-        need = sum(buffer_sizes(spec, spec.placement.world_size, tokens, "bf16", transport=transport,
-                                experts_backend=backend).values())
-        need += sum(buffer_sizes(spec, spec.placement.world_size, decode_tokens, "bf16", transport=transport,
-                                 experts_backend=backend).values())
+        capacities = decode_capacities(decode_tokens) + (tokens,)
+        need = sum(sum(buffer_sizes(spec, spec.placement.world_size, c, "bf16", transport=transport,
+                                    experts_backend=backend).values()) for c in capacities)
         free = torch.cuda.mem_get_info(device)[0]
         if need > free:
-            raise LimitError(f"the decode ({decode_tokens} tokens per rank) and prefill ({tokens}) MegaMoE buffers "
+            raise LimitError(f"the decode ({' and '.join(map(str, capacities[:-1]))} tokens per rank) and prefill "
+                             f"({tokens}) MegaMoE buffers "
                              f"need {need / 2**30:.2f} GiB per rank but only {free / 2**30:.2f} GiB is free; lower "
                              f"the token budget or set {FLAG_DECODE_TOKENS}=0 (one MegaMoE)")
     return MegaMoEInstances(spec, group, cpu_group=cpu_group, max_tokens_per_rank=tokens,
@@ -197,13 +198,21 @@ def versions() -> dict[str, str]:
     return out
 
 
+def _small_decode(decode_tokens: int) -> str:
+    from ..ep import decode_capacities
+
+    smaller = decode_capacities(decode_tokens)[:-1]
+    return "".join(f", and one for <= {c}" for c in smaller)
+
+
 def startup_line(engine: str, engine_version: str, flags: Flags, detail: str = "") -> str:
     """The one line a plugin logs when it activates: mode, flags, versions."""
     v = versions()
     what = {
         Mode.FUSED: f"{FLAG_FUSED}=1: MegaMoE fused dispatch + experts + combine on DP+EP layers ("
                     + (f"a decode MegaMoE for steps of <= {flags.decode_tokens} tokens per rank, "
-                       f"{FLAG_DECODE_TOKENS}={flags.decode_tokens}" if flags.decode_tokens
+                       f"{FLAG_DECODE_TOKENS}={flags.decode_tokens}" + _small_decode(flags.decode_tokens)
+                       if flags.decode_tokens
                        else f"one MegaMoE for every step, {FLAG_DECODE_TOKENS}=0")
                     + "), our experts step on the others",
         Mode.EXPERTS: f"{FLAG_EXPERTS}=1: our experts step; {engine} keeps its dispatch and combine",

@@ -4,9 +4,10 @@
     python scripts/ep_instances_bench.py --out docs/perf/ep-instances-h200.csv      # one GPU, ~3 min
 
 MegaMoEInstances runs batches of at most --decode-capacity tokens per rank on an op of that
-capacity. This measures what that costs against an op sized exactly for the batch (the target:
-within 5 %), and what the prefill-sized op (--prefill-capacity, what one op for every step
-would be) costs at the same decode sizes. Per T (tokens per rank) three symm ops over the same
+capacity, and batches of at most --small-capacity on a smaller one (atom_moe.ep.decode_capacities).
+This measures what the decode op the instances pick for T costs against an op sized exactly for
+the batch (the target: within 5 %), and what the prefill-sized op (--prefill-capacity, what one op
+for every step would be) costs at the same decode sizes. Per T (tokens per rank) three symm ops over the same
 weights and tokens: exact (capacity T), decode, prefill; the tile config is looked up by T and the
 combine mode by paths.combine_mode, as MegaMoE does, so only the capacity differs. Each forward
 (all W ranks) is captured in one CUDA graph and timed like `atom-moe bench` (L2 flushed, median).
@@ -37,7 +38,7 @@ TINY = (128, 64, 8, 2)  # H, I, E, top_k for --device cpu (the interpreter)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    from atom_moe.ep.instances import DECODE_TOKENS
+    from atom_moe.ep.instances import DECODE_TOKENS, SMALL_DECODE_TOKENS
     from atom_moe.tools.common import SHAPES
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -46,6 +47,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--schemes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8", "a16w4", "a8w4"])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 128], help="tokens per rank")
     p.add_argument("--decode-capacity", type=int, default=DECODE_TOKENS)
+    p.add_argument("--small-capacity", type=int, default=SMALL_DECODE_TOKENS,
+                   help="the smaller decode op's capacity (MegaMoEInstances' small_tokens; 0: none)")
     p.add_argument("--prefill-capacity", type=int, default=8192)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
@@ -73,6 +76,7 @@ def routing(T: int, E: int, k: int, gen: torch.Generator, device: str,
 def main(argv: list[str] | None = None) -> int:
     """Measure, write the CSV; 1 if an op's output disagreed with the exact op's (that row is not written)."""
     args = parse(argv)
+    from atom_moe.ep.instances import decode_capacities
     from atom_moe.ep.paths import combine_mode
     from atom_moe.ep.simulate import SimulatedSymmGroup
     from atom_moe.ep.symm import FUSED
@@ -94,15 +98,18 @@ def main(argv: list[str] | None = None) -> int:
         specs = [full.for_rank(r, W) for r in range(W)]
         weights = [random_weights(s, dev) for s in specs]
         wire = "fp8" if full.scheme.fp8_activations else "bf16"
-        sized = {"decode": SimulatedSymmGroup(specs, args.decode_capacity, wire, dev),
-                 "prefill": SimulatedSymmGroup(specs, args.prefill_capacity, wire, dev)}
+        caps = decode_capacities(args.decode_capacity, args.small_capacity)
+        decode_ops = {c: SimulatedSymmGroup(specs, c, wire, dev) for c in caps}
+        prefill = SimulatedSymmGroup(specs, args.prefill_capacity, wire, dev)
         for T in args.tokens:
             routed = [routing(T, E, k, gen, dev, S) for _ in range(W)]
             xs = [torch.randn(T, H, generator=gen).to(dev, torch.bfloat16) for _ in range(W)]
             ws, ids = [r[0] for r in routed], [r[1] for r in routed]
             cfg = lookup(name, scheme, H, I, specs[0].num_local_experts, k, T)
             mode = combine_mode(specs[0], W, wire, T, torch.device(dev))
-            groups = {"exact": SimulatedSymmGroup(specs, T, wire, dev), **sized}
+            # the decode op MegaMoEInstances picks for T: the smallest capacity that holds it
+            groups = {"exact": SimulatedSymmGroup(specs, T, wire, dev),
+                      "decode": decode_ops[next(c for c in caps if T <= c)], "prefill": prefill}
             outs = {n: [torch.full_like(x, float("nan")) for x in xs] for n in groups}
 
             def forward(n: str) -> None:
@@ -139,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(" ".join(f"{c}={rows[-1][c]}" for c in COLUMNS[1:-1]), f"[{time.monotonic() - t0:.0f}s]",
                       flush=True)
             del groups["exact"]
-        del sized, weights
+        del decode_ops, prefill, weights
         if dev == "cuda":
             torch.cuda.empty_cache()
     write_csv(args.out, rows, COLUMNS)

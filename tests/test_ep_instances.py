@@ -100,6 +100,37 @@ def test_one_rank_picks_by_batch_size(seed):
     pair.close()
 
 
+def test_small_decode_op_below_the_decode_capacity(seed):
+    """small_tokens < decode_tokens: three ops, the smallest that holds the batch runs; outputs vs the reference."""
+    spec, weights, ref = _layer(seed)
+    small = int(torch.randint(1, 5, (), generator=torch.Generator().manual_seed(seed)))
+    pair = MegaMoEInstances(spec, None, max_tokens_per_rank=16, decode_tokens=6, small_tokens=small,
+                            experts_backend="torch", device="cpu")
+    assert [op.max_tokens_per_rank for op in pair.ops] == [small, 6, 16] and pair.decode_ops[-1] is pair.decode
+    assert pair.allocated_bytes() == sum(sum(buffer_sizes(spec, 1, cap, "bf16", transport="local",
+                                                          experts_backend="torch").values()) for cap in (small, 6, 16))
+    ran = []
+    for op in pair.ops:
+        op.forward = lambda *a, _f=op.forward, _c=op.max_tokens_per_rank, **k: (ran.append(_c), _f(*a, **k))[1]
+    g = torch.Generator().manual_seed(seed)
+    for T in sorted({1, small, small + 1, 6, 7, 16}):
+        x, w, ids = random_tokens(spec, T, generator=g)
+        out = pair(x, w.contiguous(), ids.contiguous(), weights)
+        assert ran[-1] == (small if T <= small else 6 if T <= 6 else 16), (T, ran)
+        want = reference_moe(x, w, ids, ref, spec.activation)
+        assert (out.float() - want).abs().max() <= 3e-2 * want.abs().max(), T
+    assert all(op._weights is weights for op in pair.ops)  # one copy of the weights
+    for bad in (-1, 2.0):
+        with pytest.raises(MegaMoEError, match="small_tokens=.* must be an int >= 0"):
+            MegaMoEInstances(spec, None, max_tokens_per_rank=16, decode_tokens=6, small_tokens=bad,
+                             experts_backend="torch", device="cpu")
+    one = MegaMoEInstances(spec, None, max_tokens_per_rank=16, decode_tokens=6, small_tokens=6,
+                           experts_backend="torch", device="cpu")
+    assert [op.max_tokens_per_rank for op in one.ops] == [6, 16]  # no small op at or above decode_tokens
+    one.close()
+    pair.close()
+
+
 def test_custom_op_takes_the_engines_agreed_count(seed):
     """torch.ops.atom_moe.mega_moe over a pair: the callable's count picks the op, per call."""
     spec, weights, ref = _layer(seed)

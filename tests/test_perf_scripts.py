@@ -220,20 +220,21 @@ def test_eplb_bench_rejects_bad_sizes(tmp_path):
 
 
 INSTANCES_ARGS = ["--device", "cpu", "--ep", "2", "--schemes", "bf16", "--tokens", "1", "2", "--decode-capacity", "2",
-                  "--prefill-capacity", "4"]
+                  "--prefill-capacity", "4", "--small-capacity", "1"]
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the symm kernels run on the CPU only under "
                     "TRITON_INTERPRET=1 (scripts/test.sh sets it)")
 def test_ep_instances_bench_runs_on_the_cpu(tmp_path):
-    """scripts/ep_instances_bench.py at a tiny shape: three ops per T, outputs checked before any row."""
+    """scripts/ep_instances_bench.py at a tiny shape: three ops per T (the decode op the instances pick for T),
+    outputs checked before any row."""
     out = tmp_path / "inst.csv"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "ep_instances_bench.py"), *INSTANCES_ARGS,
                            "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = list(csv.DictReader(open(out)))
     assert [(r["tokens_per_rank"], r["impl"], r["capacity"]) for r in rows] == [
-        ("1", "exact", "1"), ("1", "decode", "2"), ("1", "prefill", "4"),
+        ("1", "exact", "1"), ("1", "decode", "1"), ("1", "prefill", "4"),
         ("2", "exact", "2"), ("2", "decode", "2"), ("2", "prefill", "4")]
     assert all(float(r["max_diff_vs_exact"]) == 0.0 for r in rows)  # same kernels, same rows: bit-equal here
     assert all(float(r["vs_exact"]) == 1.0 for r in rows if r["impl"] == "exact")

@@ -129,9 +129,10 @@ def test_largest_budget_is_exact():
         check_limits(spec, 8, 16320, experts_backend="triton")
     # a GPU just large enough for 700 tokens: memory binds, exactly at 700
     at700 = make_plan(layer, ep=8, tokens=700, gpu_bytes=GiB, reserve_bytes=0)
-    need = at700.weight_bytes + at700.buffer_bytes + at700.decode_bytes  # the decode op's 128 tokens too
+    need = at700.weight_bytes + at700.buffer_bytes + at700.decode_bytes  # the decode ops' 8 and 128 tokens too
     assert at700.decode_tokens == 128 and at700.decode_bytes == sum(
-        buffer_sizes(layer.spec.for_rank(0, 8), 8, 128, transport=at700.transport, experts_backend="triton").values())
+        sum(buffer_sizes(layer.spec.for_rank(0, 8), 8, cap, transport=at700.transport,
+                         experts_backend="triton").values()) for cap in (8, 128))
     tight = make_plan(layer, ep=8, gpu_bytes=need, utilization=1.0, reserve_bytes=0)
     assert tight.max_tokens_memory == 700 and tight.tokens == tight.recommended <= 700 and not tight.problems
     over = make_plan(layer, ep=8, tokens=701, gpu_bytes=need, utilization=1.0, reserve_bytes=0)
@@ -290,9 +291,10 @@ def test_decode_and_prefill_ops_both_reported(capsys):
     layer = load_model("deepseek-v3")
     kw = dict(ep=8, tokens=4096, gpu_bytes=int(140.4 * GiB), reserve_bytes=10 * GiB)
     spec = layer.spec.for_rank(0, 8)
-    for cap in (128, 512):
+    for cap in (4, 8, 128, 512):  # the small decode op (8 tokens) beside every capacity above it
         plan = make_plan(layer, decode_tokens=cap, **kw)
-        want = sum(buffer_sizes(spec, 8, cap, transport=plan.transport, experts_backend="triton").values())
+        want = sum(sum(buffer_sizes(spec, 8, c, transport=plan.transport, experts_backend="triton").values())
+                   for c in ((8, cap) if cap > 8 else (cap,)))
         assert plan.decode_tokens == cap and plan.decode_bytes == want
         assert plan.buffer_bytes == sum(buffer_sizes(spec, 8, 4096, transport=plan.transport,
                                                      experts_backend="triton").values())
@@ -308,13 +310,13 @@ def test_decode_and_prefill_ops_both_reported(capsys):
     d = make_plan(layer, **kw)
     assert re.search(rf"prefill op \(4096 tokens per rank\) +{d.buffer_bytes:,} B +{d.buffer_bytes / GiB:.3f} GiB",
                      out), out
-    assert re.search(rf"decode op \(128 tokens per rank; same weights, no copy\) +{d.decode_bytes:,} B "
+    assert re.search(rf"decode ops \(8 and 128 tokens per rank; same weights, no copy\) +{d.decode_bytes:,} B "
                      rf"+{d.decode_bytes / GiB:.3f} GiB", out), out
     assert "ATOM_MOE_DECODE_TOKENS" not in _flags(out, "vllm")  # the plugins' default
     assert main(["plan", "deepseek-v3", "--ep", "8", "--gpu-memory-gib", "140.4", "--tokens", "4096",
                  "--decode-capacity", "0"]) == 0
     out = capsys.readouterr().out
-    assert "decode op" not in out and "ATOM_MOE_DECODE_TOKENS=0" in _flags(out, "sglang")
+    assert "decode ops" not in out and "ATOM_MOE_DECODE_TOKENS=0" in _flags(out, "sglang")
     assert main(["plan", "deepseek-v3", "--ep", "8", "--gpu-memory-gib", "140.4", "--decode-capacity", "-1"]) == 2
 
 

@@ -183,6 +183,7 @@ def test_decode_tokens_flag(value, tokens):
     line = common.startup_line("vLLM", "0.33.0", flags)
     assert (f"steps of <= {tokens} tokens per rank, ATOM_MOE_DECODE_TOKENS={tokens}" if tokens
             else "one MegaMoE for every step, ATOM_MOE_DECODE_TOKENS=0") in line, line
+    assert (", and one for <= 8)" in line) == (tokens > 8), line  # the small decode op below the capacity
     # the pair exists only below a larger budget: a budget of at most the decode capacity is one op
     assert common.decode_capacity(flags, 4096) == (tokens or None)
     assert common.decode_capacity(flags, tokens or 1) is None

@@ -1,15 +1,18 @@
-"""Two MegaMoE ops for one layer shape: a small decode op and a planner-sized prefill op, one picked per call.
+"""MegaMoE ops of several capacities for one layer shape: small decode ops and a planner-sized prefill op, one picked per call.
 
 The receive side's grids are static, sized for W x max_tokens_per_rank rows: an op built for 8192
 tokens per rank serving 8 runs 2-3x slower than one built for 8 (docs/perf/ep-h200x2.md). So a
 decode batch (at most `decode_tokens` per rank) runs on an op of that capacity and anything larger
-on the prefill op. Both ops bind the same prepared weights per call (no second copy); their buffers
-are the only extra memory.
+on the prefill op. Below it, steps of at most `small_tokens` per rank get an op of their own: on one
+H200 the 128-token op at T = 1 spent 9-13 us per rank more than an op sized for the batch in GEMM2's
+empty programs and the routing kernel (8-13 % of the step), the 8-token op 3-5 %
+(docs/perf/ep-instances-h200.md). Every op binds the same prepared weights per call (no second
+copy); their buffers are the only extra memory.
 
 Every rank must pick the same op in the same step (their collectives must pair up). The pick comes
 from a count every rank holds alike: the engine's largest token count across DP ranks (`agreed_tokens`),
 else the most tokens of any rank, gathered here (the same host gather the op's per-call check makes,
-done once for both ops), and while a CUDA graph is captured the graph's own size (engines pad every DP
+done once for all ops), and while a CUDA graph is captured the graph's own size (engines pad every DP
 rank to one graph size; the gather cannot run inside a capture). A rank that still picks differently
 from its peers raises MegaMoEError on every rank (the ops' per-call check compares their capacities).
 """
@@ -25,30 +28,47 @@ from .op import MegaMoE, MegaMoEError, _capturing
 # Default decode capacity per rank: AMD's MegaMoE keeps its fixed-slot instance for <= 128 tokens per
 # rank, for the same static-grid reason; decode batches (one token per running request) sit below it.
 DECODE_TOKENS = 128
+# The smallest decode op's capacity, built when it is below decode_tokens (measured above: T <= 8 is
+# where the 128-token op's fixed cost shows; from T = 8 on it stays within 2 % of an exact op).
+SMALL_DECODE_TOKENS = 8
+
+
+def decode_capacities(decode_tokens: int, small_tokens: int = SMALL_DECODE_TOKENS) -> tuple[int, ...]:
+    """Capacities of the decode ops, ascending: small_tokens (when 0 < it < decode_tokens), then decode_tokens."""
+    return ((small_tokens,) if 0 < small_tokens < decode_tokens else ()) + (decode_tokens,)
 
 
 class MegaMoEInstances:
-    """A decode MegaMoE (capacity decode_tokens) and a prefill MegaMoE (max_tokens_per_rank) on one EP group.
+    """Decode MegaMoEs (capacities decode_capacities(decode_tokens, small_tokens)) and a prefill MegaMoE on one EP group.
 
-    Built collectively like MegaMoE (same keyword arguments); the prefill op reuses the decode op's
-    gloo side group, so a rank that picks the other op still meets its peers in the same gather.
+    Built collectively like MegaMoE (same keyword arguments); every op reuses the largest decode op's
+    gloo side group, so a rank that picks another op still meets its peers in the same gather.
+    `decode` is the largest decode op, `decode_ops` all of them (ascending), `prefill` the prefill op.
     """
 
     def __init__(self, spec: MoESpec, group=None, *, max_tokens_per_rank: int,
-                 decode_tokens: int = DECODE_TOKENS, **kwargs) -> None:
+                 decode_tokens: int = DECODE_TOKENS, small_tokens: int = SMALL_DECODE_TOKENS, **kwargs) -> None:
         if not isinstance(decode_tokens, int) or not 1 <= decode_tokens < max_tokens_per_rank:
             raise MegaMoEError(f"decode_tokens={decode_tokens!r} must be an int in [1, max_tokens_per_rank="
                                f"{max_tokens_per_rank}); with no smaller decode batch build one MegaMoE")
+        if not isinstance(small_tokens, int) or small_tokens < 0:
+            raise MegaMoEError(f"small_tokens={small_tokens!r} must be an int >= 0 (0: no smaller decode op)")
         if kwargs.get("check_tokens") is False:
             raise MegaMoEError("MegaMoEInstances needs check_tokens=True: without the per-call gather a rank that "
                                "picked the other op would not be caught")
         self.decode = MegaMoE(spec, group, max_tokens_per_rank=decode_tokens, **kwargs)
+        built = [self.decode]
         try:
-            kwargs["cpu_group"] = self.decode.cpu_group  # one gather group for both: picks are compared
+            kwargs["cpu_group"] = self.decode.cpu_group  # one gather group for all: picks are compared
+            smaller = [MegaMoE(spec, group, max_tokens_per_rank=c, **kwargs)
+                       for c in decode_capacities(decode_tokens, small_tokens)[:-1]]
+            built += smaller
             self.prefill = MegaMoE(spec, group, max_tokens_per_rank=max_tokens_per_rank, **kwargs)
         except BaseException:
-            self.decode.close()
+            for op in reversed(built):  # the largest decode op, owner of the gather group, last
+                op.close()
             raise
+        self.decode_ops = tuple(smaller) + (self.decode,)
         self.spec = spec
         self.world = self.decode.world
         self.max_tokens_per_rank = max_tokens_per_rank
@@ -63,7 +83,7 @@ class MegaMoEInstances:
 
     def pick(self, agreed_tokens: int) -> MegaMoE:
         """The op for a step whose largest per-rank token count (the same on every rank) is agreed_tokens."""
-        return self.decode if agreed_tokens <= self.decode_tokens else self.prefill
+        return next((op for op in self.decode_ops if agreed_tokens <= op.max_tokens_per_rank), self.prefill)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                 agreed_tokens: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -91,18 +111,23 @@ class MegaMoEInstances:
         """bind(weights) then forward."""
         return self.bind(weights).forward(x, topk_weights, topk_ids, agreed_tokens=agreed_tokens)
 
+    @property
+    def ops(self) -> tuple[MegaMoE, ...]:
+        """Every op, smallest capacity first."""
+        return self.decode_ops + (self.prefill,)
+
     def warmup(self, weights: PreparedWeights | None = None, *, seed: int = 0) -> list:
-        """Both ops' warm-up batches (collective; before any capture): the decode op's, then the prefill op's."""
-        return self.decode.warmup(weights, seed=seed) + self.prefill.warmup(weights, seed=seed)
+        """Every op's warm-up batches (collective; before any capture), smallest capacity first."""
+        return [batch for op in self.ops for batch in op.warmup(weights, seed=seed)]
 
     def allocated_bytes(self) -> int:
-        """Bytes of both ops' persistent buffers (the weights are shared and not counted)."""
-        return self.decode.allocated_bytes() + self.prefill.allocated_bytes()
+        """Bytes of every op's persistent buffers (the weights are shared and not counted)."""
+        return sum(op.allocated_bytes() for op in self.ops)
 
     def close(self) -> None:
-        """Close the prefill op, then the decode op (which owns the shared gloo group if it made one)."""
-        self.prefill.close()
-        self.decode.close()
+        """Close the prefill op, the smaller decode ops, then the largest (which owns the shared gloo group if it made one)."""
+        for op in (self.prefill,) + self.decode_ops[-2::-1] + (self.decode,):
+            op.close()
 
     def __enter__(self) -> "MegaMoEInstances":
         return self

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..ep.instances import DECODE_TOKENS
+from ..ep.instances import DECODE_TOKENS, decode_capacities
 from ..ep.buffers import INT32_MAX, INT64_INDEXED, WIRES, BufferLimitError, buffer_plan, buffer_sizes, check_limits, largest_true
 from ..checkpoint.config import ModelLayer, load_model
 from ..presets import PRESETS
@@ -208,7 +208,9 @@ def make_plan(layer: ModelLayer, *, ep: int, dp: int | None = None, tp: int = 1,
     def sizes(t: int) -> dict[str, int]:
         return buffer_sizes(spec, op_ep, gather * t, wire, transport=transport, experts_backend=backend)
 
-    decode_total = sum(sizes(decode_tokens).values()) if fused and decode_tokens else 0
+    # every decode op (atom_moe.ep.decode_capacities: the small one below decode_tokens too)
+    decode_total = sum(sum(sizes(c).values()) for c in decode_capacities(decode_tokens)) \
+        if fused and decode_tokens else 0
 
     def decode_bytes(t: int) -> int:  # the decode op exists only below a larger budget
         return decode_total if 0 < decode_tokens < t else 0
@@ -360,8 +362,8 @@ def format_plan(plan: Plan, engines: tuple[str, ...], model: str) -> str:
     for name, b in sorted(plan.buffers.items(), key=lambda kv: -kv[1]):
         out.append(_line(f"  {'  ' if plan.decode_tokens else ''}{name}", b))
     if plan.decode_tokens:
-        out.append(_line(f"  decode op ({plan.decode_tokens} tokens per rank; same weights, no copy)",
-                         plan.decode_bytes))
+        caps = " and ".join(map(str, decode_capacities(plan.decode_tokens)))
+        out.append(_line(f"  decode ops ({caps} tokens per rank; same weights, no copy)", plan.decode_bytes))
     out += [_line("reserve asked for (dense weights, activations, min KV)", plan.reserve_bytes),
             _line("left for the rest of the model and the KV cache", plan.left_bytes - plan.reserve_bytes),
             _line(f"leave free outside the engine ({1 - plan.utilization:.2f} of the GPU)",
