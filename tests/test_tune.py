@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -91,6 +92,22 @@ def test_candidates_are_valid_and_include_the_heuristic(scheme, tokens):
     assert {c.block_m for c in tied} <= {h.block_m // 2, h.block_m, h.block_m * 2}
 
 
+def test_split_space_sweeps_the_table_row_and_the_heuristic_over_k_splits():
+    """--space split: the H200 table's DeepSeek-V3 decode row and the heuristic, each unsplit and at every split."""
+    key = tune.Key("NVIDIA H200", "fp8", 7168, 2048, 256, 8, 1)
+    table = tuning.lookup(*key.__dict__.values())
+    heur = tuning.heuristic("fp8", 7168, 2048, 256, 8, 1)
+    assert table != heur  # the table has its own row here: both bases must be swept
+    got = tune.triton_candidates(key, "split")
+    want = {replace(c, split_k1=s) for c in (table, heur) for s in (1,) + tune.SPLITS}
+    assert set(got) == want and len(got) == len(want)
+    for c in got:
+        c.check("fp8")
+    for bad in (replace(key, scheme="a8w4"), replace(key, tokens=32)):  # MXFP4; 256 pairs > SPLIT_MAX_PAIRS
+        with pytest.raises(tune.TuneError, match="--space split"):
+            tune.triton_candidates(bad, "split")
+
+
 def test_csv_round_trip_through_the_kernels_lookup(tmp_path, monkeypatch):
     """Written rows read back with tuning's own reader and win the lookup; extra columns are ignored."""
     pick = cfg(64, 256, 64, 8)
@@ -115,6 +132,29 @@ def test_csv_round_trip_through_the_kernels_lookup(tmp_path, monkeypatch):
     path.write_text(path.read_text().replace("12.35", "fast"))
     with pytest.raises(tune.TuneError, match="bad value"):
         tune.read_done(path)
+
+
+def test_trials_csv_holds_every_candidate(tmp_path, monkeypatch):
+    """--trials: one row per candidate with its sweep time, error and drop reason, beside the table's one row."""
+    spec = MoESpec.create(hidden_size=256, intermediate_size=128, num_experts=8, top_k=2)
+    key = tune.Key("Fake GPU", "bf16", 256, 128, 8, 2, 4)
+    cands = tune.triton_candidates(key, "split")
+    times = {c: [float(10 + i)] for i, c in enumerate(cands)}
+    wrong, failing = cands[1], cands[2]
+    import atom_moe.experts as experts
+    monkeypatch.setattr(experts, "device_name", lambda device: "Fake GPU")
+    table, trials = tmp_path / "t.csv", tmp_path / "trials.csv"
+    tune.run_tuning(spec, schemes=[Scheme.BF16], ep=1, tokens=[4], out=table, timer=None, device=torch.device("cpu"),
+                    space="split", log=lambda *a: None, trials_out=trials,
+                    bench_factory=lambda s, T: FakeBench({wrong: 0.5, failing: RuntimeError("boom")}, times))
+    with open(trials, newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == len(cands) and {int(r["split_k1"]) for r in rows} == {1, 2, 4, 8}
+    by_cfg = {TileConfig(**{c: int(r[c]) for c in tuning.CONFIG_COLUMNS}): r for r in rows}
+    assert by_cfg[wrong]["dropped"].startswith("wrong: rel_err 5.000e-01") and by_cfg[wrong]["us"] == ""
+    assert by_cfg[failing]["dropped"] == "failed: RuntimeError: boom" and by_cfg[failing]["us"] == ""
+    assert by_cfg[cands[0]]["dropped"] == "" and float(by_cfg[cands[0]]["us"]) == 10.0
+    assert len(list(csv.DictReader(open(table)))) == 1
 
 
 def test_resume_skips_done_rows_and_retune_redoes_them(tmp_path, monkeypatch):

@@ -113,10 +113,14 @@ def triton_candidates(key: Key, space: str = "tied") -> list:
 
     BLOCK_M: the heuristic's and its neighbours. "tied": GEMM2 uses GEMM1's tile (unless the
     scheme constrains the tiles: then every allowed GEMM2 width with GEMM1's K step) and both
-    GEMMs share warps/stages; "full": every GEMM1 tile x GEMM2 tile x launch shape.
+    GEMMs share warps/stages; "full": every GEMM1 tile x GEMM2 tile x launch shape; "split": the
+    configs the op runs today (the table's row for the key and the heuristic), each with GEMM1
+    unsplit and split over K in SPLITS (a short decode sweep).
     """
     t = _tuning()
     h = t.heuristic(key.scheme, key.H, key.I, key.E, key.top_k, key.tokens)
+    if space == "split":
+        return split_candidates(t, key, h)
     bms = [b for b in BLOCK_MS if h.block_m / 2 <= b <= h.block_m * 2]
     # e4m3 activations tie the tiles to quant groups (GEMM1's width, GEMM2's K step): GEMM2's width is
     # swept on its own there
@@ -137,6 +141,16 @@ def triton_candidates(key: Key, space: str = "tied") -> list:
     if key.tokens * key.top_k <= t.SPLIT_MAX_PAIRS and key.scheme not in t.MXFP4:
         out += [replace(c, split_k1=s) for c in out if c.block_m == min(bms) for s in SPLITS]
     return list(dict.fromkeys(out))
+
+
+def split_candidates(t, key: Key, heuristic) -> list:
+    """The table's config for the key and the heuristic, each at split_k1 1 and every SPLITS value."""
+    if key.scheme in t.MXFP4 or key.tokens * key.top_k > t.SPLIT_MAX_PAIRS:
+        raise TuneError(f"--space split: GEMM1 splits K for bf16 and fp8 at <= {t.SPLIT_MAX_PAIRS} (token, slot) "
+                        f"pairs; {key.scheme} at {key.tokens} tokens x top_k {key.top_k} has none to sweep")
+    table = t.lookup(key.device, key.scheme, key.H, key.I, key.E, key.top_k, key.tokens)
+    bases = list(dict.fromkeys(replace(c, split_k1=1) for c in (table, heuristic)))
+    return list(dict.fromkeys(bases + [replace(c, split_k1=s) for c in bases for s in SPLITS]))
 
 
 def _tiles(cfg) -> tuple:
@@ -348,12 +362,21 @@ def drop_rows(path: Path, keys: set[Key]) -> None:
         writer.writerows(keep)
 
 
-def append_row(path: Path, row: dict) -> None:
+TRIAL_COLUMNS = ("family", "rel_err", "dropped")
+
+
+def trial_rows(result: Result) -> list[dict]:
+    """One row per candidate of a key: key, config, its sweep time (us, empty if dropped), error, drop reason."""
+    return [{**asdict(result.key), **asdict(tr.config), "us": "" if math.isnan(tr.us) else round(tr.us, 2),
+             "family": tr.family, "rel_err": f"{tr.error:.3e}", "dropped": tr.dropped} for tr in result.trials]
+
+
+def append_row(path: Path, row: dict, fieldnames: tuple[str, ...] | None = None) -> None:
     """Append one finished row (header first for a new file): a stopped run keeps what it finished."""
     new = not path.exists() or path.stat().st_size == 0
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(columns()), extrasaction="ignore")
+        writer = csv.DictWriter(fh, fieldnames=list(fieldnames or columns()), extrasaction="ignore")
         if new:
             writer.writeheader()
         writer.writerow(row)
@@ -397,8 +420,9 @@ def plan_keys(spec: MoESpec, schemes: list[Scheme], ep: int, tokens: list[int], 
 
 def run_tuning(spec: MoESpec, *, schemes: list[Scheme], ep: int, tokens: list[int], out: Path, timer: Timer,
                device: torch.device, families: list[str] | None = None, space: str = "tied", retune: bool = False,
-               seed: int = 0, tol: float = 2e-2, bench_factory=None, log=print) -> list[Result]:
-    """Tune every (scheme, bucket) not yet in `out`; append each row as it finishes; return the results."""
+               seed: int = 0, tol: float = 2e-2, bench_factory=None, log=print,
+               trials_out: Path | None = None) -> list[Result]:
+    """Tune every (scheme, bucket) not yet in `out`; append each row (and to trials_out every candidate's) as it finishes."""
     from ..experts import SUPPORTED, device_name
     chosen = families or list(FAMILIES)
     unknown = [f for f in chosen if f not in FAMILIES]
@@ -437,6 +461,10 @@ def run_tuning(spec: MoESpec, *, schemes: list[Scheme], ep: int, tokens: list[in
             if close:
                 close()
         append_row(out, result.row())
+        if trials_out is not None:
+            for row in trial_rows(result):
+                append_row(trials_out, row, tuple(_tuning().KEY_COLUMNS + _tuning().CONFIG_COLUMNS) + ("us",)
+                           + TRIAL_COLUMNS)
         results.append(result)
     return results
 
@@ -486,9 +514,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="token buckets per rank (default 1 8 32 128 512 2048 8192)")
     parser.add_argument("--only", default=None, help=f"kernel families, comma-separated (default all: "
                                                      f"{', '.join(FAMILIES)})")
-    parser.add_argument("--space", choices=("tied", "full"), default="tied", help="candidate space (see docs/tune.md)")
+    parser.add_argument("--space", choices=("tied", "full", "split"), default="tied", help="candidate space (see docs/tune.md)")
     parser.add_argument("--out", type=Path, default=Path("tuned.csv"), help="table to write / resume")
     parser.add_argument("--retune", action="store_true", help="redo keys already in --out")
+    parser.add_argument("--trials", type=Path, default=None,
+                        help="also append every candidate (config, sweep us, rel_err, why dropped) to this CSV")
     parser.add_argument("--timer", choices=("cuda-graph", "wall"), default=None,
                         help="default cuda-graph on a GPU; wall is for CPU interpreter smoke runs only")
     parser.add_argument("--iters", type=positive_int, default=20, help="timed repeats per measurement (median)")
@@ -532,7 +562,7 @@ def run(args: argparse.Namespace) -> int:
         device = torch.device("cuda" if cuda else "cpu")
         results = run_tuning(spec, schemes=schemes, ep=args.ep, tokens=args.tokens, out=args.out, timer=timer,
                              device=device, families=families, space=args.space, retune=args.retune,
-                             seed=args.seed, tol=args.tol)
+                             seed=args.seed, tol=args.tol, trials_out=args.trials)
         from ..experts import device_name
         keys = {k for k, _, _ in plan_keys(spec, schemes, args.ep, args.tokens, device_name(device))}
         earlier = table_rows(args.out, {k for k in keys if k not in {r.key for r in results}})
