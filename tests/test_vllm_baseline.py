@@ -104,14 +104,23 @@ def test_align_block_size_contract(seed, T, k, E, bs):
     assert (eids[len(blocks):] == -1).all()
 
 
+def bf16_order(t: torch.Tensor) -> torch.Tensor:
+    """bf16 values as integers in their order: neighbouring values differ by 1 (+0 and -0 both 0)."""
+    bits = t.cpu().contiguous().view(torch.int16).int()
+    return torch.where(bits >= 0, bits, -(bits & 0x7FFF))
+
+
 def test_silu_and_mul_contract(seed):
     x = (torch.randn(37, 2 * 1100) * 3).to(torch.bfloat16).to(DEVICE)
     out = torch.full((37, 1100), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     vb.silu_and_mul(out, x)
     g, u = x.float()[:, :1100], x.float()[:, 1100:]
     want = (torch.nn.functional.silu(g) * u).to(torch.bfloat16)
-    # one rounding of the fp32 result: within one bf16 step of torch's (exp may differ in its last fp32 bit)
-    torch.testing.assert_close(out.float(), want.float(), rtol=2 ** -8, atol=1e-30)
+    # one rounding of the fp32 result: at most one bf16 step from torch's (exp may differ in its last fp32
+    # bit). Counted in steps, not as a relative bound: one step is 2^-8 to 2^-7 of the value (seeds 22, 29,
+    # 31, 36 and 39 of 0-39 had a step at the bottom of a binade, above an rtol of 2^-8).
+    steps = (bf16_order(out) - bf16_order(want)).abs()
+    assert out.isfinite().all() and steps.max() <= 1, f"{int((steps > 1).sum())} elements more than one bf16 step off"
     with pytest.raises(ValueError, match="allowed: x \\[M, 2d\\]"):
         vb.silu_and_mul(out, x[:, :1100])
 
