@@ -4,8 +4,8 @@ The receive side's grids are static, sized for W x max_tokens_per_rank rows: an 
 tokens per rank serving 8 runs 2-3x slower than one built for 8 (docs/perf/ep-h200x2.md). So a
 decode batch (at most `decode_tokens` per rank) runs on an op of that capacity and anything larger
 on the prefill op. Below it, steps of at most `small_tokens` per rank get an op of their own: on one
-H200 the 128-token op at T = 1 spent 9-13 us per rank more than an op sized for the batch in GEMM2's
-empty programs and the routing kernel (8-13 % of the step); the 8-token op, with the routing kernel's
+H200 the 128-token op at T = 1 spent 17-19 us per rank more than an op sized for the batch (GEMM2's
+empty programs 9-13 us, the routing kernel 9 us; 8-13 % of the step); the 8-token op, with the routing kernel's
 owner pass bounded by the blocks in use, 0.3-1.6 % (docs/perf/ep-instances-h200.md). Every op binds the same prepared weights per call (no second
 copy); their buffers are the only extra memory.
 
