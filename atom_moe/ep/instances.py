@@ -1,13 +1,14 @@
-"""MegaMoE ops of several capacities for one layer shape: small decode ops and a planner-sized prefill op, one picked per call.
+"""MegaMoE ops of several capacities for one layer shape: decode ops and a planner-sized prefill op, one per call.
 
 The receive side's grids are static, sized for W x max_tokens_per_rank rows: an op built for 8192
 tokens per rank serving 8 runs 2-3x slower than one built for 8 (docs/perf/ep-h200x2.md). So a
 decode batch (at most `decode_tokens` per rank) runs on an op of that capacity and anything larger
 on the prefill op. Below it, steps of at most `small_tokens` per rank get an op of their own: on one
 H200 the 128-token op at T = 1 spent 17-19 us per rank more than an op sized for the batch (GEMM2's
-empty programs 9-13 us, the routing kernel 9 us; 8-13 % of the step); the 8-token op, with the routing kernel's
-owner pass bounded by the blocks in use, 0.3-1.6 % (docs/perf/ep-instances-h200.md). Every op binds the same prepared weights per call (no second
-copy); their buffers are the only extra memory.
+empty programs 9-13 us, the routing kernel 9 us; 8-13 % of the step); the 8-token op, with the
+routing kernel's owner pass bounded by the blocks in use, 0.3-1.6 % (docs/perf/ep-instances-h200.md).
+Every op binds the same prepared weights per call (no second copy); their buffers are the only extra
+memory.
 
 Every rank must pick the same op in the same step (their collectives must pair up). The pick comes
 from a count every rank holds alike: the engine's largest token count across DP ranks (`agreed_tokens`),
@@ -39,7 +40,7 @@ def decode_capacities(decode_tokens: int, small_tokens: int = SMALL_DECODE_TOKEN
 
 
 class MegaMoEInstances:
-    """Decode MegaMoEs (capacities decode_capacities(decode_tokens, small_tokens)) and a prefill MegaMoE on one EP group.
+    """Decode MegaMoEs (capacities `decode_capacities(decode_tokens, small_tokens)`) and a prefill one, one EP group.
 
     Built collectively like MegaMoE (same keyword arguments); every op reuses the largest decode op's
     gloo side group, so a rank that picks another op still meets its peers in the same gather.
@@ -125,7 +126,7 @@ class MegaMoEInstances:
         return sum(op.allocated_bytes() for op in self.ops)
 
     def close(self) -> None:
-        """Close the prefill op, the smaller decode ops, then the largest (which owns the shared gloo group if it made one)."""
+        """Close the prefill op, the smaller decode ops, then the largest (owner of the shared gloo group, if any)."""
         for op in (self.prefill,) + self.decode_ops[-2::-1] + (self.decode,):
             op.close()
 

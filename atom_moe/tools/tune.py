@@ -422,7 +422,7 @@ def run_tuning(spec: MoESpec, *, schemes: list[Scheme], ep: int, tokens: list[in
                device: torch.device, families: list[str] | None = None, space: str = "tied", retune: bool = False,
                seed: int = 0, tol: float = 2e-2, bench_factory=None, log=print,
                trials_out: Path | None = None) -> list[Result]:
-    """Tune every (scheme, bucket) not yet in `out`; append each row (and to trials_out every candidate's) as it finishes."""
+    """Tune every (scheme, bucket) not yet in `out`; append each row (every candidate's to trials_out) as it ends."""
     from ..experts import SUPPORTED, device_name
     chosen = families or list(FAMILIES)
     unknown = [f for f in chosen if f not in FAMILIES]
@@ -514,7 +514,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="token buckets per rank (default 1 8 32 128 512 2048 8192)")
     parser.add_argument("--only", default=None, help=f"kernel families, comma-separated (default all: "
                                                      f"{', '.join(FAMILIES)})")
-    parser.add_argument("--space", choices=("tied", "full", "split"), default="tied", help="candidate space (see docs/tune.md)")
+    parser.add_argument("--space", choices=("tied", "full", "split"), default="tied",
+                        help="candidate space (see docs/tune.md)")
     parser.add_argument("--out", type=Path, default=Path("tuned.csv"), help="table to write / resume")
     parser.add_argument("--retune", action="store_true", help="redo keys already in --out")
     parser.add_argument("--trials", type=Path, default=None,
