@@ -57,6 +57,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if any(t < 1 or t > args.decode_capacity for t in args.tokens):
         p.error(f"--tokens must lie in [1, --decode-capacity={args.decode_capacity}] (decode batches)")
+    if args.small_capacity < 0:
+        p.error(f"--small-capacity {args.small_capacity}: allowed an int >= 0 (0: no smaller decode op)")
     if args.prefill_capacity <= args.decode_capacity:
         p.error(f"--prefill-capacity {args.prefill_capacity} must exceed --decode-capacity {args.decode_capacity}")
     if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":

@@ -240,6 +240,14 @@ def test_ep_instances_bench_runs_on_the_cpu(tmp_path):
     assert all(float(r["vs_exact"]) == 1.0 for r in rows if r["impl"] == "exact")
 
 
+def test_ep_instances_bench_rejects_a_negative_small_capacity(capsys):
+    import ep_instances_bench
+    with pytest.raises(SystemExit) as info:
+        ep_instances_bench.parse([*INSTANCES_ARGS[:-1], "-1"])
+    assert info.value.code == 2
+    assert "--small-capacity -1: allowed an int >= 0" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (scripts/test.sh)")
 def test_ep_instances_bench_reports_no_time_for_a_wrong_op(tmp_path, monkeypatch):
     """A planted wrong output of the prefill-sized op: no row for it, exit 1."""
