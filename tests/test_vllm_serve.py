@@ -50,6 +50,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -171,7 +172,10 @@ class Server:
                         prompt_logprobs=TOP, ignore_eos=True, return_tokens_as_token_ids=True, return_token_ids=True)
             req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", json.dumps(body).encode(),
                                          {"Content-Type": "application/json"})
-            reply = json.load(urllib.request.urlopen(req, timeout=300))
+            try:
+                reply = json.load(urllib.request.urlopen(req, timeout=300))
+            except urllib.error.HTTPError as exc:  # the server's reason, not just the status
+                raise AssertionError(f"{self.name}: HTTP {exc.code}: {exc.read()[:2000]!r}\n{self.tail()}") from None
             out += sorted(reply["choices"], key=lambda c: c["index"])
         return out
 
