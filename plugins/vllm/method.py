@@ -39,6 +39,7 @@ from ...weights import PreparedWeights, prepare_stacked
 from ..common import (FLAG_FUSED, Flags, LimitError, Mode, bind_layer, check_start_limits, decode_capacity,
                       fused_transport, layer_spec, local_experts_from_map, tokens_per_rank, warn_once)
 from ..eplb import eplb_problem, slot_views
+from . import cpu_linear
 
 # the package's logger, by name: the package imports this module, so importing it back would be a cycle
 log = logging.getLogger("vllm.atom_moe")
@@ -81,6 +82,7 @@ def install(flags: Flags) -> type | None:
                                     f"{current.__module__}.{current.__qualname__}; atom_moe stays off")
         return None
     RoutedExperts.register_oot(AtomRoutedExperts)
+    cpu_linear.install()  # vLLM's CPU build only: keeps its gate GEMM ordered before the router in compiled graphs
     return AtomRoutedExperts
 
 
