@@ -207,7 +207,11 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
                              sent=(remote.info, remote.capacity) if remote is not None else None,
                              chunk_counts=ws.chunk_counts)
     act = spec.activation
-    x1, x1_scale = (x, x_scale) if pre_quantized else (ws.x_q, ws.x_scale) if fp8 else (x, None)
+    # the workspace holds max_tokens rows; GEMM1 takes its pair count from x's rows, so pass T of them
+    x1, x1_scale = (x, x_scale) if pre_quantized else (ws.x_q[:T], ws.x_scale[:T]) if fp8 else (x, None)
+    # split-K is a decode-size setting: a row picked for a nearby bucket may meet a larger call (T=16
+    # from the T=8 row), which then runs the same tiles unsplit (kernels/gemm1.py check_split)
+    split_k = cfg.split_k1 if T * k <= tuning.SPLIT_MAX_PAIRS else 1
     gemm1.gemm1(x1, x1_scale, weights.w13, weights.w13_scale, weights.w13_bias,
                 ws.sorted_ids, ws.block_expert, n_blocks, k, ws.inter, ws.inter_scale,
                 oai=act.kind is ActivationKind.SWIGLU_OAI, clamp=act.kind is ActivationKind.SWIGLU_CLAMP,
@@ -215,7 +219,7 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
                 block_m=cfg.block_m, block_n=cfg.block_n1, block_k=cfg.block_k1,
                 num_warps=cfg.warps1, num_stages=cfg.stages1, group_m=cfg.group_m, mx_big=weights.mx_scale_max > 128,
                 w13_rowexp_t=weights.w13_rowexp, mx_flush=weights.mx_flush,
-                split_k=cfg.split_k1, partial=ws.partial)
+                split_k=split_k, partial=ws.partial)
     separate = remote is None and (combine == "separate" or (combine is None and T * k >= gemm2.SEPARATE_MIN_PAIRS))
     partial = gemm2.separate_partial(ws.partial, out) if separate else ws.partial
     gemm2.gemm2(ws.inter, ws.inter_scale, weights.w2, weights.w2_scale, weights.w2_bias,

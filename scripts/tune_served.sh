@@ -5,6 +5,7 @@
 # `atom-moe tune` appends each finished key, so a call stopped by the budget loses only the key it was on;
 # run it again with the same table to go on. The table and the logs are copied to $OUT after each preset.
 # Usage: bash scripts/tune_served.sh [TABLE] [SECONDS]   (default .cache/served/tuned-served.csv, 540 s)
+# SCHEMES="fp8 bf16" tunes those schemes instead of the MXFP4 passes; TOKENS="512 2048" limits the buckets.
 set -uo pipefail
 table=${1:-.cache/served/tuned-served.csv}
 budget=${2:-540}
@@ -14,16 +15,19 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 || { cat "$out/install.log"; exit 1; }
 python3 -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 end=$((SECONDS + budget))
-for pass in own other; do
+tokens=()
+[ -n "${TOKENS:-}" ] && read -ra tokens <<<"--tokens $TOKENS"
+for pass in ${SCHEMES:-own other}; do
   for model in glm-5.2-tp8 glm-5.2-tp4 deepseek-v4.1-flash-tp4 deepseek-v4.1-flash-tp2; do
     case "$model/$pass" in
       glm*/own|deepseek*/other) scheme=a16w4 ;;
-      *) scheme=a8w4 ;;
+      */own|*/other) scheme=a8w4 ;;
+      *) scheme=$pass ;;
     esac
     left=$((end - SECONDS))
     if [ "$left" -lt 30 ]; then echo "== budget spent before $model $scheme: run again with $table"; break 2; fi
     echo "== $model $scheme [$(date +%T), ${left} s left]"
-    timeout "$left" python3 -m atom_moe.tools.cli tune "$model" --scheme "$scheme" --iters 10 --out "$table" 2>&1 \
+    timeout "$left" python3 -m atom_moe.tools.cli tune "$model" --scheme "$scheme" "${tokens[@]}" --iters 10 --out "$table" 2>&1 \
       | grep -v "no tuned config" | tee -a "$out/tune-served.log" | tail -12
     cp "$table" "$out/tuned-served.csv"
   done

@@ -64,12 +64,39 @@ def test_split_k_matches_unsplit_and_reference(seed, case):
         assert torch.equal(again, got), f"split {split}: not deterministic"
 
 
-def test_split_k_is_refused_where_it_does_not_run(seed):
+def test_split_rows_run_unsplit_above_the_decode_bound(seed):
+    # a row tuned with split 2 at T = 8 is the nearest bucket for T = 16 too; there (and above) the
+    # call runs the row's tiles unsplit: the same kernel launch as split 1, bit for bit
     spec, p = make_layer(448, 96, 6, 3, "bf16", device=DEVICE)
     w, ids = make_routing(64, 6, 3, device=DEVICE)  # 192 pairs: above the decode bound
     x = torch.randn(64, 448, device=DEVICE).to(torch.bfloat16)
+    got = fused_experts(x, w, ids, p, spec, config=config("bf16", 2))
+    assert torch.equal(got, fused_experts(x, w, ids, p, spec, config=config("bf16", 1)))
+    assert rel_err(got, reference(x, w, ids, spec, p, act_quant=False)) <= 1e-2
     with pytest.raises(ValueError, match="decode batches of at most 128"):
-        fused_experts(x, w, ids, p, spec, config=config("bf16", 2))
+        gemm1.check_split(2, False, 192, 192, 448, 64, torch.empty(10**6))
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+def test_split_k_in_a_workspace_sized_for_more_tokens(seed, scheme):
+    # engines size one workspace for their largest batch and run decode steps in it; fp8's
+    # quantized activations live there, so GEMM1 must see T rows of them, not max_tokens
+    spec, p = make_layer(448, 256, 6, 3, scheme, device=DEVICE)
+    ws = allocate_workspace(spec, 512, DEVICE)
+    for T in (1, 5):
+        w, ids = make_routing(T, 6, 3, device=DEVICE)
+        x = torch.randn(T, 448, device=DEVICE).to(torch.bfloat16)
+        whole = fused_experts(x, w, ids, p, spec, config=config(scheme, 1))
+        got = fused_experts(x, w, ids, p, spec, config=config(scheme, 2), workspace=ws)
+        scale = float(whole.float().abs().max())
+        assert float((got.float() - whole.float()).abs().max()) <= 2e-2 * scale, f"T={T}"
+        assert rel_err(got, reference(x, w, ids, spec, p, act_quant=scheme == "fp8")) <= 1e-2, f"T={T}"
+
+
+def test_split_k_is_refused_where_it_does_not_run(seed):
+    spec, p = make_layer(448, 96, 6, 3, "bf16", device=DEVICE)
+    x = torch.randn(64, 448, device=DEVICE).to(torch.bfloat16)
+    w, ids = make_routing(64, 6, 3, device=DEVICE)
     with pytest.raises(ValueError, match="exceeds the 7 K steps"):
         fused_experts(x[:2], w[:2], ids[:2], p, spec, config=TileConfig(16, 64, 64, 4, 2, 64, 64, 4, 2, split_k1=8))
     with pytest.raises(ConfigError, match="split_k1=2: allowed 1..8 for bf16 and fp8, 1 for MXFP4"):
