@@ -223,8 +223,7 @@ def prepared_shapes(spec: MoESpec) -> dict[str, tuple[tuple[int, ...], torch.dty
         out |= {"w13": ((El, 2 * I, H), formats.FP8_DTYPE), "w13_scale": ((El, nb_i, 2, nb_h), torch.float32),
                 "w2": ((El, H, I), formats.FP8_DTYPE), "w2_scale": ((El, nb_h, nb_i), torch.float32)}
     else:  # MXFP4 as MX tiles (a16w4) or quads (a8w4), padded to 16 rows x 64 k
-        layout = mx_quads if spec.scheme is Scheme.A8W4 else mx_tiles
-        (v13, s13), (v2, s2) = layout.tiled_shapes(2 * I, H), layout.tiled_shapes(H, I)
+        (v13, s13), (v2, s2) = mx_tiles.tiled_shapes(2 * I, H), mx_tiles.tiled_shapes(H, I)
         out |= {"w13": ((El, *v13), torch.uint8), "w13_scale": ((El, *s13), torch.uint8),
                 "w2": ((El, *v2), torch.uint8), "w2_scale": ((El, *s2), torch.uint8)}
         if spec.scheme is Scheme.A8W4:
@@ -304,7 +303,7 @@ class _MxStack:
     quads with their row exponents (quads, for a8w4)."""
 
     def __init__(self, name: str, count: int, n: int, k: int, device: torch.device, quads: bool = False) -> None:
-        (vs, ss) = (mx_quads if quads else mx_tiles).tiled_shapes(n, k)
+        (vs, ss) = mx_tiles.tiled_shapes(n, k)
         self.name, self.n, self.k, self.quads = name, n, k, quads
         self.values = torch.empty(count, *vs, dtype=torch.uint8, device=device)
         self.scales = torch.empty(count, *ss, dtype=torch.uint8, device=device)

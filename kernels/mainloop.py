@@ -9,8 +9,8 @@ both epilogues start from `tile_finish`; the loop itself, for every scheme:
 - fp8: the same in e4m3 with per-(token, 128-group) and per-128x128-block scales folded into
   each step's product;
 - MXFP4 (a16w4, a8w4) "swapped": acc^T[N, M] += W @ a^T with W decoded in registers from MX
-  tiles / MX quads (kernels/mxfp4.py); a8w4 has its own loop (`quads_k_loop`) over 256-k groups,
-  whose residual bytes load once per group, and its activation scales load one K step ahead.
+  tiles / MX quads (kernels/mxfp4.py); a8w4's activation scales are loaded one K step ahead,
+  since a plain load would stall every step.
 
 A @triton.jit helper is inlined into its caller, so each GEMM compiles to the code it had
 with the loop and prologue written out (docs/perf/kloop-shared-sass.md: the SASS was compared).
@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .common import QGROUP, cast, dot, tile_ids
-from .mxfp4 import quad_residuals, quad_step, quad_words, row_factor, scale_step, step_residuals, swap_step, tile_offsets
+from .mxfp4 import row_factor, scale_step, swap_step, tile_offsets
 
 
 @triton.jit
@@ -68,39 +68,6 @@ def tile_start(a_ptr, a_rows, stride_a, as_ptr, w_ptr, e64, pid_n, n, n_total, K
 
 
 @triton.jit
-def quads_k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, r_ptr, w_off, r_off, nb_ok, kb, k_blocks, K, AGROUP: tl.constexpr,
-                 FLUSH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 INTERP: tl.constexpr):
-    """a8w4's K loop: acc^T [BLOCK_N, BLOCK_M] over all of K, MX quads against e4m3 activations.
-
-    One iteration covers a K group (256 k, 4 MX quad blocks) in 256 / BLOCK_K unrolled steps: the
-    group's residual words load once (one 16-byte load per lane, `quad_residuals`) and each step
-    shifts its bytes out of them by a constant, where a load per step cost GEMM1 up to 1.7x
-    (docs/perf/a8w4-small-loads-h200.md). (A shift by a runtime amount, to step one BLOCK_K per
-    iteration, made Triton restage the decoded tile through shared memory on sm_90a.) Steps past
-    K are masked. Activation scales load one step ahead: a plain load would stall every step."""
-    KB: tl.constexpr = BLOCK_K // 64
-    UNROLL: tl.constexpr = 256 // BLOCK_K
-    kk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    a_s_next = tl.load(as_ptrs, mask=row_ok, other=0.0)
-    for k1 in range(0, K, 256):
-        resid = quad_residuals(r_ptr, r_off, nb_ok, k1, k_blocks)
-        for u in tl.static_range(UNROLL):
-            k0 = k1 + u * BLOCK_K
-            a = tl.load(a_ptrs + k0, mask=((k0 + kk) < K)[:, None] & row_ok[None, :], other=0.0)
-            a_s = a_s_next
-            # the scalar bound broadcast to [BLOCK_M] first: triton 3.9's interpreter rejects a mask
-            # that mixes a vector with a 0-d comparison ('mask has unsupported dtype')
-            more = (tl.zeros([BLOCK_M], tl.int32) + (k0 + BLOCK_K)) < K
-            a_s_next = tl.load(as_ptrs + (k0 + BLOCK_K) // AGROUP, mask=row_ok & more, other=0.0)
-            words = quad_words(w_ptr, w_off, nb_ok, kb, k0, k_blocks)
-            d = step_residuals(resid, u * KB, KB)
-            acc = quad_step(acc, a, a_s, words, d, BLOCK_N, BLOCK_K, FLUSH, INTERP)
-    return acc
-
-
-@triton.jit
 def k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_ptrs, n_ok, w_off, s_off, nb_ok, kb, k_blocks, K,
            k_lo, k_hi, AGROUP: tl.constexpr, FP8: tl.constexpr, W4: tl.constexpr, BIG: tl.constexpr, BLOCK_M: tl.constexpr,
            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERP: tl.constexpr):
@@ -111,43 +78,52 @@ def k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_ptrs, n_ok, w_off,
     bf16/fp8 weight tile and block-scale pointers; w_off, s_off, nb_ok, kb: the MX tile offsets
     (W4, from mxfp4.tile_offsets). Pointers of the unused kind are never read. k_lo > 0 (split-K,
     bf16/fp8 only: the host refuses it for MXFP4) must be a multiple of BLOCK_K; K bounds the masks.
-    a8w4 (W4 and FP8) runs `quads_k_loop`.
     """
-    if W4 and FP8:
-        acc = quads_k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_off, s_off, nb_ok, kb, k_blocks, K, AGROUP, BIG,
-                           BLOCK_M, BLOCK_N, BLOCK_K, INTERP)
+    kk = tl.arange(0, BLOCK_K)
+    if not W4:  # k_lo is 0 for MXFP4, whose offsets start at k = 0
+        a_ptrs += k_lo
+        w_ptrs += k_lo
+    if W4:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # out^T
     else:
-        kk = tl.arange(0, BLOCK_K)
-        if not W4:  # k_lo is 0 for MXFP4, whose offsets start at k = 0
-            a_ptrs += k_lo
-            w_ptrs += k_lo
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if W4 and FP8:  # activation scales one K step ahead: a plain load would stall every step
+        a_s_next = tl.load(as_ptrs, mask=row_ok, other=0.0)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_ok = (k0 + kk) < K
         if W4:
-            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # out^T
+            a = tl.load(a_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
         else:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            k_ok = (k0 + kk) < K
-            if W4:
-                a = tl.load(a_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if W4:
+            if FP8:
+                a_s = a_s_next
+                # the scalar bound broadcast to [BLOCK_M] first: triton 3.9's interpreter rejects a mask
+                # that mixes a vector with a 0-d comparison ('mask has unsupported dtype')
+                more = (tl.zeros([BLOCK_M], tl.int32) + (k0 + BLOCK_K)) < K
+                a_s_next = tl.load(as_ptrs + (k0 + BLOCK_K) // AGROUP, mask=row_ok & more, other=0.0)
+                acc = swap_step(acc, a, a_s, w_ptr, ws_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks,
+                                BLOCK_N, BLOCK_M, BLOCK_K, FP8, BIG, INTERP)
+            else:
                 if a_ptrs.dtype.element_ty != tl.bfloat16:  # a16w4 dots in bf16
                     a = cast(a.to(tl.float32), tl.bfloat16, INTERP)
-                acc = swap_step(acc, a, w_ptr, ws_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks, BLOCK_N, BLOCK_K, BIG,
-                                INTERP)
-                w_off += (BLOCK_K // 64) * 128
-                s_off += scale_step(BLOCK_K)
+                acc = swap_step(acc, a, 0.0, w_ptr, ws_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks,
+                                BLOCK_N, BLOCK_M, BLOCK_K, FP8, BIG, INTERP)
+            w_off += (BLOCK_K // 64) * 128
+            s_off += scale_step(BLOCK_K, FP8)
+        else:
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if FP8:
+                kb8 = k0 // QGROUP
+                a_s = tl.load(as_ptrs + kb8, mask=row_ok, other=0.0)
+                w_s = tl.load(ws_ptrs + kb8, mask=n_ok, other=0.0)
+                acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
             else:
-                w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                if FP8:
-                    kb8 = k0 // QGROUP
-                    a_s = tl.load(as_ptrs + kb8, mask=row_ok, other=0.0)
-                    w_s = tl.load(ws_ptrs + kb8, mask=n_ok, other=0.0)
-                    acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
-                else:
-                    if a_ptrs.dtype.element_ty != tl.bfloat16:  # the bf16 scheme computes in bf16
-                        a = cast(a.to(tl.float32), tl.bfloat16, INTERP)
-                    acc = dot(a, w, acc, INTERP)
-                w_ptrs += BLOCK_K
-            a_ptrs += BLOCK_K
+                if a_ptrs.dtype.element_ty != tl.bfloat16:  # the bf16 scheme computes in bf16
+                    a = cast(a.to(tl.float32), tl.bfloat16, INTERP)
+                acc = dot(a, w, acc, INTERP)
+            w_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
     return acc
 
 

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_moe.layouts import mx_quads, mx_tiles
+from atom_moe.layouts import mx_tiles
 
 from .common import cast, dot, interpreting
 
@@ -53,12 +53,11 @@ OUT3_L2 = tl.constexpr(mx_tiles.OUT3_MASKS[2])
 def tile_offsets(expert64, pid_n, row_blocks, k_blocks, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  QUADS: tl.constexpr = False):
     """(word offsets [NB, KB, 32, 4], scale offsets, row-block ok [NB], kb [KB]) of the tile at column
-    tile pid_n, K step 0; advance by KB * 128 words and `scale_step(BLOCK_K)` per K step (MX tiles).
+    tile pid_n, K step 0; advance by KB * 128 words and `scale_step(BLOCK_K, QUADS)` per K step.
 
     Scale offsets: MX tiles, int32 words [NB, KB, 8] (one per row pair); MX quads (QUADS), the
-    residual words [NB, 1, 32, 4] of the K group (4 K blocks, `quad_residuals`) at k = 0: each lane's
-    4 words, one per value word j, in the value words' own shape, so they load and sit in registers
-    as the value words do and the decoded tile needs no shared-memory restage."""
+    residual bytes [NB, KB, 32, 4] each lane needs for its 4 words (a per-lane load keeps the
+    table math in the words' own layout, so the decoded tile needs no shared-memory restage)."""
     NB: tl.constexpr = BLOCK_N // 16
     KB: tl.constexpr = BLOCK_K // 64
     nb = pid_n * NB + tl.arange(0, NB)
@@ -67,52 +66,33 @@ def tile_offsets(expert64, pid_n, row_blocks, k_blocks, BLOCK_N: tl.constexpr, B
     lane_j = tl.arange(0, 32)[:, None] * 4 + tl.arange(0, 4)[None, :]
     w_off = blk[:, :, None, None] * 128 + lane_j[None, None, :, :]
     if QUADS:
-        k_groups = (k_blocks + 3) // 4
-        grp = (expert64 * row_blocks + nb) * k_groups
-        s_off = grp[:, None, None, None] * 32 + ((lane_j // 16) * 4 + lane_j % 4)[None, None, :, :]
+        s_off = blk[:, :, None, None] * 32 + lane_j[None, None, :, :] // 16 * 4 + tl.arange(0, 4)[None, None, None, :]
     else:
         s_off = blk[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
     return w_off, s_off, nb < row_blocks, kb
 
 
 @triton.jit
-def scale_step(BLOCK_K: tl.constexpr):
-    """How far the MX tiles' scale offsets advance per K step, in int32 words (MX quads: `quad_residuals`)."""
-    return (BLOCK_K // 64) * 8
+def scale_step(BLOCK_K: tl.constexpr, QUADS: tl.constexpr):
+    """How far the scale offsets advance per K step (int32 words, or residual bytes for QUADS)."""
+    if QUADS:
+        return (BLOCK_K // 64) * 32
+    else:
+        return (BLOCK_K // 64) * 8
 
 
 @triton.jit
 def load_tile(w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks):
-    """One K step's int32 value words and its scale words (MX tiles; MX quads: `quad_words`); zeros past
-    N or K."""
+    """One K step's int32 value words and its scale words (MX tiles) or residual bytes (MX quads);
+    zeros past N or K."""
     kb_ok = (k0 // 64 + kb) < k_blocks
     ok = nb_ok[:, None] & kb_ok[None, :]
     words = tl.load(w_ptr + w_off, mask=ok[:, :, None, None], other=0)
-    swords = tl.load(s_ptr + s_off, mask=ok[:, :, None], other=0)
+    if len(s_off.shape) == 4:  # MX quads: residual bytes per lane
+        swords = tl.load(s_ptr + s_off, mask=ok[:, :, None, None], other=0)
+    else:
+        swords = tl.load(s_ptr + s_off, mask=ok[:, :, None], other=0)
     return words, swords
-
-
-@triton.jit
-def quad_words(w_ptr, w_off, nb_ok, kb, k0, k_blocks):
-    """MX quads: the int32 value words [NB, KB, 32, 4] of the K step at k0 (w_off at k = 0); zeros past N or K."""
-    ok = nb_ok[:, None] & ((k0 // 64 + kb) < k_blocks)[None, :]
-    return tl.load(w_ptr + w_off + (k0 // 64) * 128, mask=ok[:, :, None, None], other=0)
-
-
-@triton.jit
-def quad_residuals(r_ptr, r_off, nb_ok, k0, k_blocks):
-    """MX quads: the residual words [NB, 1, 32, 4] of the K group at k0 (a multiple of 256; r_off at k = 0):
-    byte t of a lane's word j is the residual of its value word j in K block k0 // 64 + t. Zeros past N or K."""
-    ok = nb_ok & (k0 // 64 < k_blocks)
-    return tl.load(r_ptr + r_off + (k0 // 256) * 32, mask=ok[:, None, None, None], other=0)
-
-
-@triton.jit
-def step_residuals(resid, t0, KB: tl.constexpr):
-    """The residual bytes [NB, KB, 32, 4] (uint32) of K blocks t0 .. t0 + KB - 1 of a K group's words `resid`."""
-    r = resid.to(tl.uint32, bitcast=True) >> (8 * t0)  # a scalar shift: a shift tensor built from a runtime
-    # t0 made Triton restage the decoded tile through shared memory (sm_90a)
-    return (r >> (8 * tl.arange(0, KB))[None, :, None, None].to(tl.uint32)) & 0xFF
 
 
 @triton.jit
@@ -187,12 +167,12 @@ def _lookup(t_lo, t_hi, sel, PRMT: tl.constexpr):
 @triton.jit
 def tile_e4m3(words, resid, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLUSH: tl.constexpr,
               PRMT: tl.constexpr):
-    """MX quad words [NB, KB, 32, 4] + their residual bytes [NB, KB, 32, 4] (uint32, `step_residuals`) -> e4m3
-    tile [BLOCK_N, BLOCK_K] holding value * 2^(s - base + 6), exact (atom_moe/layouts/mx_quads.py)."""
+    """MX quad words [NB, KB, 32, 4] + residual bytes [NB, KB, 32, 4] -> e4m3 tile [BLOCK_N, BLOCK_K]
+    holding value * 2^(s - base + 6), exact (atom_moe/layouts/mx_quads.py)."""
     NB: tl.constexpr = BLOCK_N // 16
     KB: tl.constexpr = BLOCK_K // 64
     w = words.to(tl.uint32, bitcast=True)
-    d = resid
+    d = resid.to(tl.uint32)
     # table bytes for magnitudes 0..7 = {0, 0.5, 1, 1.5, 2, 3, 4, 6} * 2^(d - 6) in e4m3
     t_lo = d * 0x08080800 + 0x0C080000
     t_hi = d * 0x08080808 + 0x1C181410
@@ -219,22 +199,21 @@ def row_factor(rowexp_ptr, e64, n, n_ok, n_rows):
 
 
 @triton.jit
-def swap_step(acc, a, w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, BIG: tl.constexpr, INTERP: tl.constexpr):
-    """acc^T [BLOCK_N, BLOCK_M] plus one K step of W @ a^T: a bf16 [BLOCK_K, BLOCK_M] against MX tiles
-    (BIG: scales above 128)."""
-    words, swords = load_tile(w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks)
-    w = tile_bf16(words, swords, BLOCK_N, BLOCK_K, BIG, INTERP)
-    return dot(w, a, acc, INTERP)
-
-
-@triton.jit
-def quad_step(acc, a, a_s, words, d, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLUSH: tl.constexpr,
+def swap_step(acc, a, a_s, w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks, BLOCK_N: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, BIG: tl.constexpr,
               INTERP: tl.constexpr):
-    """acc^T [BLOCK_N, BLOCK_M] plus one K step of W @ a^T: e4m3 a [BLOCK_K, BLOCK_M] against MX quad words
-    with residual bytes d, the step's fp8 product scaled by the per-token scales a_s."""
-    w = tile_e4m3(words, d, BLOCK_N, BLOCK_K, FLUSH, not INTERP and PRMT_OK)
-    return acc + tl.dot(w, a) * a_s[None, :]
+    """acc^T [BLOCK_N, BLOCK_M] plus one K step of W @ a^T. a is [BLOCK_K, BLOCK_M]: bf16 against
+    MX tiles, or (FP8) e4m3 against MX quads, with per-token scales a_s applied to the step's fp8
+    product (BIG: MX tiles' scales above 128; for MX quads it is FLUSH)."""
+    words, swords = load_tile(w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks)
+    if FP8:
+        w = tile_e4m3(words, swords, BLOCK_N, BLOCK_K, BIG, not INTERP and PRMT_OK)
+        step = tl.dot(w, a)
+        acc = acc + step * a_s[None, :]
+    else:
+        w = tile_bf16(words, swords, BLOCK_N, BLOCK_K, BIG, INTERP)
+        acc = dot(w, a, acc, INTERP)
+    return acc
 
 
 @triton.jit
@@ -263,19 +242,18 @@ def words(t: torch.Tensor) -> torch.Tensor:
 def launch_args(gemm: str, name: str, values: torch.Tensor, scales: torch.Tensor, n: int, k: int, block_n: int,
                 block_k: int, quads: bool = False) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """Check [E, ...] MX tiles (or quads) of an [n, k] weight and the tile; (value words, scale words or
-    residual words, row blocks, k blocks)."""
+    residual bytes, row blocks, k blocks)."""
     if values.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"{gemm}: MX tiles {name} and their scales must be uint8, got {values.dtype}, {scales.dtype}")
-    want_v, want_s = (mx_quads if quads else mx_tiles).tiled_shapes(n, k)
+    want_v, want_s = mx_tiles.tiled_shapes(n, k)
     if tuple(values.shape[1:]) != want_v or tuple(scales.shape[1:]) != want_s:
-        raise ValueError(f"{gemm}: MX {'quads' if quads else 'tiles'} {name} {tuple(values.shape)} / "
-                         f"{'residuals' if quads else 'scales'} {tuple(scales.shape)} do not fit "
+        raise ValueError(f"{gemm}: MX tiles {name} {tuple(values.shape)} / scales {tuple(scales.shape)} do not fit "
                          f"an [{n}, {k}] weight: expected [E, {', '.join(map(str, want_v))}] / "
                          f"[E, {', '.join(map(str, want_s))}]")
     if block_n % mx_tiles.ROWS or block_k % mx_tiles.KS:
         raise ValueError(f"MXFP4 {gemm} needs block_n % 16 == 0 and block_k % 64 == 0 (whole MX tile blocks), "
                          f"got block_n={block_n}, block_k={block_k}")
-    return words(values), words(scales), want_v[0], want_v[1]
+    return words(values), scales if quads else words(scales), want_v[0], want_v[1]
 
 
 def rowexp_arg(gemm: str, name: str, rowexp: torch.Tensor | None, experts: int, n: int) -> torch.Tensor:
@@ -293,15 +271,14 @@ def _dequant_args(layout: str, values: torch.Tensor, scales: torch.Tensor, n: in
     """Check a dequantize call's inputs; (leading dims, their product)."""
     if values.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"{layout} and their scales must be uint8, got {values.dtype}, {scales.dtype}")
-    want_v, want_s = (mx_quads if layout == "MX quads" else mx_tiles).tiled_shapes(n, k)
+    want_v, want_s = mx_tiles.tiled_shapes(n, k)
     lead = tuple(values.shape[:-3])
     if tuple(values.shape[-3:]) != want_v or tuple(scales.shape) != (*lead, *want_s):
         raise ValueError(f"{layout} {tuple(values.shape)} / scales {tuple(scales.shape)} do not fit [{n}, {k}]: "
                          f"expected [..., {', '.join(map(str, want_v))}] / [..., {', '.join(map(str, want_s))}]")
-    if (block_n % mx_tiles.ROWS or block_k % mx_tiles.KS or block_n & (block_n - 1) or block_k & (block_k - 1)
-            or block_k > 256):
-        raise ValueError(f"dequantize needs block_n, block_k powers of two, multiples of 16 and 64, block_k at "
-                         f"most 256, got {block_n}, {block_k}")
+    if block_n % mx_tiles.ROWS or block_k % mx_tiles.KS or block_n & (block_n - 1) or block_k & (block_k - 1):
+        raise ValueError(f"dequantize needs block_n, block_k powers of two, multiples of 16 and 64, got "
+                         f"{block_n}, {block_k}")
     return lead, math.prod(lead)
 
 
@@ -329,10 +306,8 @@ def _dequant_quads_kernel(w_ptr, r_ptr, rowexp_ptr, out_ptr, n_rows, k, row_bloc
     k0 = tl.program_id(1) * BLOCK_K
     e64 = tl.program_id(2).to(tl.int64)
     w_off, r_off, nb_ok, kb = tile_offsets(e64, pid_n, row_blocks, k_blocks, BLOCK_N, BLOCK_K, True)
-    words = quad_words(w_ptr, w_off, nb_ok, kb, k0, k_blocks)
-    resid = quad_residuals(r_ptr, r_off, nb_ok, k0 // 256 * 256, k_blocks)
-    d = step_residuals(resid, (k0 // 64) % 4, BLOCK_K // 64)
-    w = tile_e4m3(words, d, BLOCK_N, BLOCK_K, FLUSH, PRMT).to(tl.float32)
+    words, resid = load_tile(w_ptr, r_ptr, w_off + (k0 // 64) * 128, r_off + (k0 // 64) * 32, nb_ok, kb, k0, k_blocks)
+    w = tile_e4m3(words, resid, BLOCK_N, BLOCK_K, FLUSH, PRMT).to(tl.float32)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = k0 + tl.arange(0, BLOCK_K)
     full = w * row_factor(rowexp_ptr, e64, n, n < n_rows, n_rows)[:, None]
@@ -350,7 +325,7 @@ def dequantize_quads(values: torch.Tensor, residuals: torch.Tensor, rowexp: torc
                          f"got {rowexp.dtype} {tuple(rowexp.shape)}")
     out = torch.empty(*lead, n, k, dtype=torch.float32, device=values.device)
     grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k), experts)
-    _dequant_quads_kernel[grid](words(values.contiguous()), words(residuals.contiguous()), rowexp.contiguous(), out, n, k,
+    _dequant_quads_kernel[grid](words(values.contiguous()), residuals.contiguous(), rowexp.contiguous(), out, n, k,
                                 want_v[0], want_v[1], FLUSH=flush, PRMT=use_prmt(), BLOCK_N=block_n,
                                 BLOCK_K=block_k)
     return out

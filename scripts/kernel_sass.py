@@ -49,8 +49,8 @@ def _types(scheme: str) -> tuple[str, str, str]:
     """(activation, weight, weight scale) pointer types of a scheme, as the launchers pass them."""
     act = "*fp8e4nv" if scheme in ("fp8", "a8w4") else "*bf16"
     weight = {"bf16": "*bf16", "fp8": "*fp8e4nv"}.get(scheme, "*i32")  # MX tiles / quads: int32 words
-    # fp8 block scales; MX quads' residual words; MX tiles' scale words (bf16: unused)
-    scale = {"fp8": "*fp32"}.get(scheme, "*i32")
+    # fp8 block scales; MX quads' residual bytes; MX tiles' scale words (bf16: unused)
+    scale = {"fp8": "*fp32", "a8w4": "*u8"}.get(scheme, "*i32")
     return act, weight, scale
 
 
@@ -128,9 +128,7 @@ def compile_sass(args: argparse.Namespace) -> tuple[dict, str]:
     stack = re.search(r"(\d+) bytes cumulative stack", info)
     body = loop_body(sass)
     mix = collections.Counter(body)
-    # a8w4's loop iteration is a 256-k group of K steps (kernels/mainloop.py quads_k_loop)
-    k_per_iteration = 256 if args.scheme == "a8w4" else args.block_k
-    weights_per_thread = args.block_n * k_per_iteration / (args.warps * 32)
+    weights_per_thread = args.block_n * args.block_k / (args.warps * 32)
     report = {
         "registers": regs,
         "stack_bytes": int(stack.group(1)) if stack else 0,

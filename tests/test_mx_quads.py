@@ -52,28 +52,25 @@ def independent_rowexp(packed: torch.Tensor, scales: torch.Tensor) -> list[int]:
 
 
 def want_residuals(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Residual bytes [..., N/16, KG, 128] placed by the docstring: byte (g * 4 + j) * 4 + t (j = 2s + h) of
-    K group G in row block nb is row nb * 16 + g + 8h, k32 slab 2 (4G + t) + s; (s - base + 12) mod 256,
-    12 in padding."""
+    """Residual bytes [..., N/16, K/64, 32] placed by the docstring: byte g * 4 + j (j = 2s + h) of block
+    (nb, kb) is row nb * 16 + g + 8h, k32 slab 2kb + s; (s - base + 12) mod 256, 0 in padding."""
     *lead, n, kh = packed.shape
     k = 2 * kh
     n_pad, k_pad = mx_tiles.padded(n, k)
-    groups = -(-k_pad // 256)
     p2, s2 = packed.reshape(-1, n, kh), scales.reshape(-1, n, k // 32)
-    out = torch.full((p2.shape[0], n_pad // 16, groups, 128), 12, dtype=torch.uint8)
+    out = torch.zeros(p2.shape[0], n_pad // 16, k_pad // 64, 32, dtype=torch.uint8)
     for e in range(p2.shape[0]):
         base = independent_rowexp(p2[e], s2[e])
         sc = s2[e].tolist()
         for nb in range(n_pad // 16):
-            for grp in range(groups):
+            for kb in range(k_pad // 64):
                 for g in range(8):
                     for j in range(4):
-                        for t in range(4):
-                            s, h = divmod(j, 2)
-                            row, slab = nb * 16 + g + 8 * h, 2 * (4 * grp + t) + s
-                            if row < n and slab < k // 32:
-                                out[e, nb, grp, (g * 4 + j) * 4 + t] = (sc[row][slab] - base[row] + 12) % 256
-    return out.reshape(*lead, n_pad // 16, groups, 128)
+                        s, h = divmod(j, 2)
+                        row, slab = nb * 16 + g + 8 * h, 2 * kb + s
+                        if row < n and slab < k // 32:
+                            out[e, nb, kb, g * 4 + j] = (sc[row][slab] - base[row] + 12) % 256
+    return out.reshape(*lead, n_pad // 16, k_pad // 64, 32)
 
 
 # ---------------------------------------------------------------- tile / untile
@@ -86,8 +83,7 @@ SHAPES = [((), 40, 96), ((3,), 40, 96), ((2, 3), 80, 160), ((2,), 16, 64), ((1,)
 def test_round_trip_bit_exact(seed, lead, n, k):
     packed, scales = rand_u8(*lead, n, k // 2), rand_u8(*lead, n, k // 32)
     values, residuals, rowexp, flushed = mx_quads.tile(packed, scales)
-    want_v, want_s = mx_quads.tiled_shapes(n, k)
-    assert want_v == mx_tiles.tiled_shapes(n, k)[0] and want_s == (want_v[0], -(-want_v[1] // 4), 128)
+    want_v, want_s = mx_tiles.tiled_shapes(n, k)
     assert values.dtype == residuals.dtype == rowexp.dtype == torch.uint8
     assert values.shape == (*lead, *want_v) and residuals.shape == (*lead, *want_s) and rowexp.shape == (*lead, n)
     assert values.is_contiguous() and residuals.is_contiguous()
@@ -101,7 +97,7 @@ def test_round_trip_bit_exact(seed, lead, n, k):
 @pytest.mark.parametrize("lead, n, k", [((), 40, 96), ((2,), 17, 160), ((3,), 1, 32), ((2, 2), 37, 288),
                                          ((2,), 32, 128)])
 def test_residuals_and_padding(seed, lead, n, k):
-    """Residual bytes at the documented places, (s - base + 12) mod 256, padding bytes 12; padding codes 0."""
+    """Residual bytes at the documented places, (s - base + 12) mod 256, padding bytes 0; padding codes 0."""
     packed = nonzero_bytes(*lead, n, k // 2)
     scales = rand_u8(*lead, n, k // 32, lo=1, hi=255)  # no NaN byte
     values, residuals, rowexp, _ = mx_quads.tile(packed, scales)
@@ -404,7 +400,7 @@ def test_prepare_mxfp4_local_builds_mx_quads(seed, H, I, rank, world):
     p.check(spec)
     assert p.mx_flush is False
     assert p.mx_scale_max == 201 == max(max(int(e[1].max()), int(e[3].max())) for e in ex)
-    (v13, s13), (v2, s2) = mx_quads.tiled_shapes(2 * I, H), mx_quads.tiled_shapes(H, I)
+    (v13, s13), (v2, s2) = mx_tiles.tiled_shapes(2 * I, H), mx_tiles.tiled_shapes(H, I)
     assert p.w13.kind is QUADS and p.w13.layout is INT and p.w13.data.shape == (El, *v13)
     assert p.w13_scale.kind is QUADS and p.w13_scale.layout is INT and p.w13_scale.data.shape == (El, *s13)
     assert p.w2.shape == (El, *v2) and p.w2_scale.shape == (El, *s2)
@@ -634,9 +630,7 @@ def test_dequantize_helpers_refuse_bad_input(seed):
         mxfp4.dequantize(tv, ts.expand(2, *ts.shape), n, k)
     with pytest.raises(ValueError, match="rowexp must be uint8 .* got torch.int32"):
         mxfp4.dequantize_quads(v, d, b.to(torch.int32), n, k)
-    with pytest.raises(ValueError, match="powers of two, multiples of 16 and 64, block_k at most 256, got 48, 128"):
+    with pytest.raises(ValueError, match="powers of two, multiples of 16 and 64, got 48, 128"):
         mxfp4.dequantize_quads(v, d, b, n, k, block_n=48)
-    with pytest.raises(ValueError, match="block_k at most 256, got 32, 512"):  # wider than a residual K group
-        mxfp4.dequantize_quads(v, d, b, n, k, block_k=512)
     with pytest.raises(ValueError, match="got 32, 96"):
         mxfp4.dequantize(tv, ts, n, k, block_k=96)

@@ -17,11 +17,8 @@ MXFP4 (e2m1 uint8 [..., N, K/2], LOW nibble = even k; e8m0 [..., N, K/32]):
 - The lookup table is the block's scale folded into e4m3: code magnitude c -> e4m3 bits of
   value(c) * 2^(s - base + 6), where base is the row's exponent (`rowexp`, below). With the
   residual byte d = s - base + 12 in [1, 12] the 8 table bytes are two integer multiply-adds
-  of d, and every value is exact in e4m3. residuals: uint8 [..., N/16, KG, 128], KG = K/256
-  rounded up (a K group: 4 blocks of 64 k); byte (g * 4 + j) * 4 + t of group G is
-  (s - base[row] + 12) mod 256 for word (lane, j)'s row and slab in K block 4G + t (12 in
-  padding, whose codes are 0: any residual decodes them to 0, and 12 is a valid one). So each lane's 4 residual words are 16 contiguous bytes, one load per K group: a
-  load per K block cost the a8w4 GEMMs up to 1.7x (docs/perf/a8w4-small-loads-h200.md).
+  of d, and every value is exact in e4m3. residuals: uint8 [..., N/16, K/64, 32], byte
+  g * 4 + j = (s - base[row] + 12) mod 256 (0 in padding).
 - rowexp: uint8 [..., N]: per row, the largest e8m0 byte over its blocks that hold a nonzero
   code (255 if any block's scale is the e8m0 NaN byte; 127 for a row of zeros). The kernels
   multiply each output row by 2^(base - 133) after the K loop.
@@ -37,19 +34,11 @@ from __future__ import annotations
 
 import torch
 
-from .mx_tiles import BLOCK_BYTES, _codes, bytes_word, packed_bytes, padded, padded_codes, word_bytes
+from .mx_tiles import (BLOCK_BYTES, SCALE_BYTES, _codes, bytes_word, packed_bytes, padded, padded_codes, tiled_shapes,
+                       word_bytes)
 
 RESIDUAL_BIAS = 12  # d = s - base + 12; d in [1, 12] decodes exactly
 E8M0_NAN = 255
-GROUP_BLOCKS = 4  # K blocks (64 k each) per residual group
-GROUP_BYTES = 128  # residual bytes of one 16-row block's K group: 32 lanes x 4 words x 4 K blocks
-
-
-def tiled_shapes(n: int, k: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    """(values shape, residuals shape) of an [n, k] weight as MX quads, without the leading dims."""
-    n_pad, k_pad = padded(n, k)
-    groups = -(-k_pad // (64 * GROUP_BLOCKS))
-    return (n_pad // 16, k_pad // 64, BLOCK_BYTES), (n_pad // 16, groups, GROUP_BYTES)
 
 
 def _nonzero_blocks(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -108,12 +97,11 @@ def tile(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torc
 
     nonzero = _nonzero_blocks(packed, scales)
     base = _row_exponents(scales, nonzero)
-    groups = tiled_shapes(n, k)[1][1]
-    d = torch.full((*lead, n_pad, groups * GROUP_BLOCKS * 2), RESIDUAL_BIAS, dtype=torch.int32, device=packed.device)
+    d = torch.zeros(*lead, n_pad, k_pad // 32, dtype=torch.int32, device=packed.device)
     d[..., :n, : k // 32] = (scales.to(torch.int32) - base.unsqueeze(-1) + RESIDUAL_BIAS) % 256
-    d = d.reshape(*lead, n_pad // 16, 2, 8, groups, GROUP_BLOCKS, 2)  # nb h g G t s
-    d = d.permute(*range(nd), nd, nd + 3, nd + 2, nd + 5, nd + 1, nd + 4)  # nb G g s h t: byte (g*4 + 2s + h)*4 + t
-    residuals = d.reshape(*lead, n_pad // 16, groups, GROUP_BYTES).to(torch.uint8)
+    d = d.reshape(*lead, n_pad // 16, 2, 8, k_pad // 64, 2)  # nb h g kb s
+    d = d.permute(*range(nd), nd, nd + 3, nd + 2, nd + 4, nd + 1)  # nb kb g s h: byte g*4 + 2s + h
+    residuals = d.reshape(*lead, n_pad // 16, k_pad // 64, SCALE_BYTES).to(torch.uint8)
     flushed = int(_flushed(scales, nonzero, base).sum())
     return values.contiguous(), residuals.contiguous(), base.to(torch.uint8), flushed
 
@@ -141,9 +129,8 @@ def untile(values: torch.Tensor, residuals: torch.Tensor, rowexp: torch.Tensor, 
     c = c.reshape(*lead, n_pad // 16, k_pad // 64, 8, 4, 2, 2, 2, 4)  # nb kb g q s h t i
     c = c.permute(*range(nd), nd, nd + 5, nd + 2, nd + 1, nd + 4, nd + 6, nd + 3, nd + 7)  # nb h g kb s t q i
     packed = packed_bytes(c.reshape(*lead, n_pad, k_pad), n, k)
-    groups = want_s[1]
-    d = residuals.reshape(*lead, n_pad // 16, groups, 8, 2, 2, GROUP_BLOCKS)  # nb G g s h t
-    d = d.permute(*range(nd), nd, nd + 4, nd + 2, nd + 1, nd + 5, nd + 3)  # nb h g G t s
-    d = d.reshape(*lead, n_pad, groups * GROUP_BLOCKS * 2)[..., :n, : k // 32].to(torch.int32)
+    d = residuals.reshape(*lead, n_pad // 16, k_pad // 64, 8, 2, 2)  # nb kb g s h
+    d = d.permute(*range(nd), nd, nd + 4, nd + 2, nd + 1, nd + 3).reshape(*lead, n_pad, k_pad // 32)
+    d = d[..., :n, : k // 32].to(torch.int32)
     scales = (d + rowexp.to(torch.int32).unsqueeze(-1) - RESIDUAL_BIAS) % 256
     return packed, scales.to(torch.uint8).contiguous()
