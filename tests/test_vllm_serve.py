@@ -323,8 +323,11 @@ for m, k, n, bias in ((5, 128, 8, False), (37, 256, 96, True), (1, 128, 512, Fal
     assert got.shape == (m, n) and got.dtype == x.dtype and torch.equal(got, want), (m, k, n, bias)
     ref = x.float() @ w.float().T + (b if bias else 0)
     assert (got.float() - ref).abs().max() <= 0.02 * ref.abs().max(), (m, k, n)
-    compiled = torch.compile(lambda x: ops.weight_packed_linear_cpu(x, packed, n, b).float().sigmoid(), fullgraph=True)
-    assert torch.equal(compiled(x), got.float().sigmoid()), (m, k, n)
+    # a pointwise consumer fused after the op, as the router's is; * 2 + 1 rounds the same in any
+    # vector width (sigmoid did not: Inductor's and eager's differed by an ulp on CI's CPU)
+    compiled = torch.compile(lambda x: ops.weight_packed_linear_cpu(x, packed, n, b).float() * 2 + 1, fullgraph=True)
+    c = compiled(x)
+    assert torch.equal(c, got.float() * 2 + 1), (m, k, n, (c - (got.float() * 2 + 1)).abs().max().item())
 print("ok")
 """
 
