@@ -13,6 +13,7 @@ import sys
 import time
 import traceback
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -623,7 +624,11 @@ def main() -> int:
         checks.failed.append("exception")
     start = time.monotonic()
     dist.destroy_process_group()  # teardown must finish: the launching test has a hard timeout
-    print(f"DONE rank={rank} failed={checks.failed} teardown_s={time.monotonic() - start:.2f}", flush=True)
+    done = f"DONE rank={rank} failed={checks.failed} teardown_s={time.monotonic() - start:.2f}"
+    print(done, flush=True)
+    if checks.file:  # mpiexec may drop a rank's last stdout line as the rank exits (seen under pytest-xdist)
+        checks.file.close()
+        Path(checks.file.name).with_suffix(".done").write_text(done + "\n")
     return 1 if checks.failed else 0
 
 
