@@ -33,7 +33,7 @@ from atom_moe.spec import A8W4_INTER_GROUP
 
 from .common import FP8_MAX, QGROUP, cast, interpreting
 from .mainloop import k_loop, tile_expert, tile_finish, tile_rows, tile_start
-from .mxfp4 import launch_args, rowexp_arg
+from .mxfp4 import launch_args, rowexp_arg, scaled_dot
 
 GROUP = 128  # host-side twin of common.QGROUP
 MAX_SPLIT_K = 8  # K slices of split-K GEMM1
@@ -46,7 +46,7 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, 
                   part_ptr, k_span, SPLIT: tl.constexpr, PHASE: tl.constexpr, FP8: tl.constexpr, W4: tl.constexpr,
                   BIG: tl.constexpr, OAI: tl.constexpr, CLAMP: tl.constexpr,
                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr, IGROUP: tl.constexpr, INTERP: tl.constexpr):
+                  GROUP_M: tl.constexpr, IGROUP: tl.constexpr, INTERP: tl.constexpr, SCALED: tl.constexpr):
     n_out = 2 * inter
     pid_m, pid_n, expert = tile_expert(block_expert_ptr, n_blocks, tl.cdiv(n_out, BLOCK_N), GROUP_M)
     if expert < 0:
@@ -58,7 +58,7 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, 
     n_ok = n < n_out
     a_ptrs, as_ptrs, w_ptrs, w_off, s_off, nb_ok, kb = tile_start(
         x_ptr, tok, stride_x, xs_ptr, w_ptr, e64, pid_n, n, n_out, hidden, row_blocks, k_blocks,
-        QGROUP, FP8, W4, BLOCK_N, BLOCK_K)
+        QGROUP, FP8, W4, BLOCK_N, BLOCK_K, SCALED)
     ws_ptrs = ws_ptr  # read only by the fp8 scheme
     if FP8 and not W4:
         # output pair j = n // 2 uses scale [e, j // 128, n % 2, kb]
@@ -82,7 +82,7 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, 
             k_lo = tl.program_id(1) * k_span
             k_hi = tl.minimum(k_lo + k_span, hidden)
         acc = k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_ptrs, n_ok, w_off, s_off, nb_ok, kb,
-                     k_blocks, hidden, k_lo, k_hi, QGROUP, FP8, W4, BIG, BLOCK_M, BLOCK_N, BLOCK_K, INTERP)
+                     k_blocks, hidden, k_lo, k_hi, QGROUP, FP8, W4, BIG, BLOCK_M, BLOCK_N, BLOCK_K, INTERP, SCALED)
         if PHASE == 1:
             tl.store(p_ptrs + tl.program_id(1) * slab, acc, mask=row_ok[:, None] & n_ok[None, :])
             return
@@ -185,7 +185,8 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
             partial if split > 1 else out, triton.cdiv(triton.cdiv(hidden, block_k), split) * block_k)
     meta = dict(SPLIT=split, FP8=fp8, W4=w4, BIG=w4 and (mx_flush if fp8 else mx_big), OAI=oai,
                 CLAMP=clamp, HAS_BIAS=w13_bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                GROUP_M=group_m, IGROUP=igroup, INTERP=interpreting(), num_warps=num_warps, num_stages=num_stages)
+                GROUP_M=group_m, IGROUP=igroup, INTERP=interpreting(), SCALED=w4 and fp8 and scaled_dot(x.device, block_k),
+                num_warps=num_warps, num_stages=num_stages)
     if split == 1:
         _gemm1_kernel[(tiles,)](*args, PHASE=0, **meta)
     else:

@@ -38,7 +38,7 @@ from atom_moe.spec import A8W4_INTER_GROUP
 
 from .common import QGROUP, cast, interpreting
 from .mainloop import k_loop, tile_expert, tile_finish, tile_rows, tile_start
-from .mxfp4 import launch_args, rowexp_arg
+from .mxfp4 import launch_args, rowexp_arg, scaled_dot
 
 GROUP = 128  # host-side twin of common.QGROUP
 # Pair count from which fused_experts combines in a separate launch: on an H200 the separate
@@ -72,7 +72,7 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr
                   TOPK: tl.constexpr, KP2: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, IGROUP: tl.constexpr, INTERP: tl.constexpr, REMOTE: tl.constexpr,
-                  SEPARATE: tl.constexpr):
+                  SEPARATE: tl.constexpr, SCALED: tl.constexpr):
     pid_m, pid_n, expert = tile_expert(block_expert_ptr, n_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if expert < 0:
         return
@@ -84,7 +84,7 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr
     # a8w4's activation groups are 64 columns, a K step each (IGROUP)
     a_ptrs, as_ptrs, w_ptrs, w_off, s_off, nb_ok, kb = tile_start(
         a_ptr, rows.to(tl.int64), inter, as_ptr, w_ptr, e64, pid_n, n, hidden, inter, row_blocks, k_blocks,
-        IGROUP, FP8, W4, BLOCK_N, BLOCK_K)
+        IGROUP, FP8, W4, BLOCK_N, BLOCK_K, SCALED)
     ws_ptrs = ws_ptr  # read only by the fp8 scheme
     if FP8 and not W4:
         k_groups = tl.cdiv(inter, IGROUP)
@@ -100,7 +100,7 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr
         slot_ok = slot_ok & (tl.load(emap_ptr + gid, mask=slot_ok, other=-1) >= 0)
         needed = tl.sum(slot_ok.to(tl.int32), 1)
     acc = k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_ptrs, n_ok, w_off, s_off, nb_ok, kb, k_blocks,
-                 inter, 0, inter, IGROUP, FP8, W4, BIG, BLOCK_M, BLOCK_N, BLOCK_K, INTERP)
+                 inter, 0, inter, IGROUP, FP8, W4, BIG, BLOCK_M, BLOCK_N, BLOCK_K, INTERP, SCALED)
     acc = tile_finish(acc, rowexp_ptr, bias_ptr, e64, n, n_ok, hidden, FP8, W4, HAS_BIAS)
     weight = tl.load(topk_w_ptr + pair64, mask=row_ok, other=0.0).to(tl.float32)
     acc = acc * weight[:, None]
@@ -242,6 +242,6 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
         FP8=fp8, W4=w4, BIG=w4 and (mx_flush if fp8 else mx_big), HAS_BIAS=w2_bias is not None, TOPK=top_k,
         KP2=triton.next_power_of_2(top_k),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, IGROUP=igroup, INTERP=interpreting(),
-        REMOTE=remote is not None, SEPARATE=separate,
+        REMOTE=remote is not None, SEPARATE=separate, SCALED=w4 and fp8 and scaled_dot(a.device, block_k),
         num_warps=num_warps, num_stages=num_stages,
     )

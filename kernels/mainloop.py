@@ -44,7 +44,7 @@ def tile_rows(sorted_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
 @triton.jit
 def tile_start(a_ptr, a_rows, stride_a, as_ptr, w_ptr, e64, pid_n, n, n_total, K, row_blocks, k_blocks,
                AGROUP: tl.constexpr, FP8: tl.constexpr, W4: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):
+               BLOCK_K: tl.constexpr, SCALED: tl.constexpr = False):
     """(a_ptrs, as_ptrs, w_ptrs, w_off, s_off, nb_ok, kb): where `k_loop` starts for this tile.
 
     a_rows: each tile row's activation row (int64), stride_a apart; as_ptrs: each row's first
@@ -59,7 +59,7 @@ def tile_start(a_ptr, a_rows, stride_a, as_ptr, w_ptr, e64, pid_n, n, n_total, K
         a_ptrs = a_ptr + a_rows[:, None] * stride_a + kk[None, :]
     as_ptrs, w_ptrs, w_off, s_off, nb_ok, kb = as_ptr, w_ptr, 0, 0, False, 0
     if W4:  # MX tiles, or MX quads for a8w4 (kernels/mxfp4.py), advanced per K step
-        w_off, s_off, nb_ok, kb = tile_offsets(e64, pid_n, row_blocks, k_blocks, BLOCK_N, BLOCK_K, FP8)
+        w_off, s_off, nb_ok, kb = tile_offsets(e64, pid_n, row_blocks, k_blocks, BLOCK_N, BLOCK_K, FP8, SCALED)
     else:
         w_ptrs = w_ptr + e64 * n_total * K + n.to(tl.int64)[None, :] * K + kk[:, None]
     if FP8:
@@ -70,7 +70,7 @@ def tile_start(a_ptr, a_rows, stride_a, as_ptr, w_ptr, e64, pid_n, n, n_total, K
 @triton.jit
 def k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_ptrs, n_ok, w_off, s_off, nb_ok, kb, k_blocks, K,
            k_lo, k_hi, AGROUP: tl.constexpr, FP8: tl.constexpr, W4: tl.constexpr, BIG: tl.constexpr, BLOCK_M: tl.constexpr,
-           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERP: tl.constexpr):
+           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERP: tl.constexpr, SCALED: tl.constexpr = False):
     """The fp32 accumulator of one tile over k in [k_lo, k_hi): [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] for W4.
 
     a_ptrs: activation tile pointers ([BLOCK_M, BLOCK_K], or [BLOCK_K, BLOCK_M] for W4) at k = 0;
@@ -78,6 +78,7 @@ def k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_ptrs, n_ok, w_off,
     bf16/fp8 weight tile and block-scale pointers; w_off, s_off, nb_ok, kb: the MX tile offsets
     (W4, from mxfp4.tile_offsets). Pointers of the unused kind are never read. k_lo > 0 (split-K,
     bf16/fp8 only: the host refuses it for MXFP4) must be a multiple of BLOCK_K; K bounds the masks.
+    SCALED: a8w4 through tl.dot_scaled (kernels/mxfp4.py).
     """
     kk = tl.arange(0, BLOCK_K)
     if not W4:  # k_lo is 0 for MXFP4, whose offsets start at k = 0
@@ -103,7 +104,7 @@ def k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_ptrs, n_ok, w_off,
                 more = (tl.zeros([BLOCK_M], tl.int32) + (k0 + BLOCK_K)) < K
                 a_s_next = tl.load(as_ptrs + (k0 + BLOCK_K) // AGROUP, mask=row_ok & more, other=0.0)
                 acc = swap_step(acc, a, a_s, w_ptr, ws_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks,
-                                BLOCK_N, BLOCK_M, BLOCK_K, FP8, BIG, INTERP)
+                                BLOCK_N, BLOCK_M, BLOCK_K, FP8, BIG, INTERP, SCALED)
             else:
                 if a_ptrs.dtype.element_ty != tl.bfloat16:  # a16w4 dots in bf16
                     a = cast(a.to(tl.float32), tl.bfloat16, INTERP)

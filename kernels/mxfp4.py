@@ -25,13 +25,22 @@ FLUSH (set at preparation when some block sits more than 2^11 below its row's la
 scale) zeroes those blocks' tables, as the torch twin does. Off NVIDIA GPUs and under the
 interpreter the table lookup is shifts and masks instead of PRMT.
 
+SCALED (`scaled_dot`: on by default on gfx950 from a 128-k step on, whose scaled MFMA multiplies
+e2m1 by e4m3 with e8m0 block scales in hardware) swaps that decode for `tl.dot_scaled`: each MX quad word is
+unpacked into the plain e2m1 bytes the op takes (`tile_e2m1`) and each residual byte becomes
+the e8m0 scale 2^(d - 6) (`quad_scales`), the same value * 2^(s - base + 6) as the e4m3
+table, so `row_factor` still finishes the row. Under the interpreter, which has no
+`dot_scaled`, `dot_scaled_emulated` computes the same product in fp32.
+
 Under TRITON_INTERPRET=1 the decode works in fp32 holding the same bf16 bit patterns (the
 interpreter flushes bf16 subnormals) and rounds with `cast`.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import torch
 import triton
@@ -51,13 +60,14 @@ OUT3_L2 = tl.constexpr(mx_tiles.OUT3_MASKS[2])
 
 @triton.jit
 def tile_offsets(expert64, pid_n, row_blocks, k_blocks, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 QUADS: tl.constexpr = False):
+                 QUADS: tl.constexpr = False, SCALED: tl.constexpr = False):
     """(word offsets [NB, KB, 32, 4], scale offsets, row-block ok [NB], kb [KB]) of the tile at column
     tile pid_n, K step 0; advance by KB * 128 words and `scale_step(BLOCK_K, QUADS)` per K step.
 
     Scale offsets: MX tiles, int32 words [NB, KB, 8] (one per row pair); MX quads (QUADS), the
     residual bytes [NB, KB, 32, 4] each lane needs for its 4 words (a per-lane load keeps the
-    table math in the words' own layout, so the decoded tile needs no shared-memory restage)."""
+    table math in the words' own layout, so the decoded tile needs no shared-memory restage);
+    with SCALED, the residual bytes in plain order [BLOCK_N, BLOCK_K / 32] (row, 32-k block)."""
     NB: tl.constexpr = BLOCK_N // 16
     KB: tl.constexpr = BLOCK_K // 64
     nb = pid_n * NB + tl.arange(0, NB)
@@ -65,7 +75,12 @@ def tile_offsets(expert64, pid_n, row_blocks, k_blocks, BLOCK_N: tl.constexpr, B
     blk = (expert64 * row_blocks + nb)[:, None] * k_blocks + kb[None, :]
     lane_j = tl.arange(0, 32)[:, None] * 4 + tl.arange(0, 4)[None, :]
     w_off = blk[:, :, None, None] * 128 + lane_j[None, None, :, :]
-    if QUADS:
+    if QUADS and SCALED:  # row r = 16 nb + 8 h + g, block c = 2 kb + s: byte g * 4 + 2 s + h of block (nb, kb)
+        r = tl.arange(0, BLOCK_N)[:, None]
+        c = tl.arange(0, BLOCK_K // 32)[None, :]
+        s_off = ((expert64 * row_blocks + pid_n * NB + r // 16) * k_blocks + c // 2) * 32 \
+            + (r % 8) * 4 + (c % 2) * 2 + (r // 8) % 2
+    elif QUADS:
         s_off = blk[:, :, None, None] * 32 + lane_j[None, None, :, :] // 16 * 4 + tl.arange(0, 4)[None, None, None, :]
     else:
         s_off = blk[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
@@ -83,13 +98,18 @@ def scale_step(BLOCK_K: tl.constexpr, QUADS: tl.constexpr):
 
 @triton.jit
 def load_tile(w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks):
-    """One K step's int32 value words and its scale words (MX tiles) or residual bytes (MX quads);
-    zeros past N or K."""
+    """One K step's int32 value words and its scale words (MX tiles) or residual bytes (MX quads, per
+    lane or, for SCALED, in plain order); zeros past N or K."""
     kb_ok = (k0 // 64 + kb) < k_blocks
     ok = nb_ok[:, None] & kb_ok[None, :]
     words = tl.load(w_ptr + w_off, mask=ok[:, :, None, None], other=0)
     if len(s_off.shape) == 4:  # MX quads: residual bytes per lane
         swords = tl.load(s_ptr + s_off, mask=ok[:, :, None, None], other=0)
+    elif len(s_off.shape) == 2:  # MX quads for tl.dot_scaled: [BLOCK_N, BLOCK_K / 32]
+        NB: tl.constexpr = ok.shape[0]
+        KB: tl.constexpr = ok.shape[1]
+        ok = tl.reshape(tl.broadcast_to(ok[:, None, :, None], (NB, 16, KB, 2)), (NB * 16, KB * 2))
+        swords = tl.load(s_ptr + s_off, mask=ok, other=0)
     else:
         swords = tl.load(s_ptr + s_off, mask=ok[:, :, None], other=0)
     return words, swords
@@ -190,6 +210,47 @@ def tile_e4m3(words, resid, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLUSH:
 
 
 @triton.jit
+def tile_e2m1(words, resid, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLUSH: tl.constexpr):
+    """MX quad words [NB, KB, 32, 4] -> the plain e2m1 codes tl.dot_scaled takes, uint8 [BLOCK_N, BLOCK_K / 2]
+    (low nibble: even k); FLUSH zeroes (keeping signs) the blocks whose residual bytes resid
+    [BLOCK_N, BLOCK_K / 32] lie outside [1, 12], as `tile_e4m3` does."""
+    NB: tl.constexpr = BLOCK_N // 16
+    KB: tl.constexpr = BLOCK_K // 64
+    w = words.to(tl.uint32, bitcast=True)[:, :, :, :, None, None]
+    t = tl.arange(0, 2)[:, None]
+    i = tl.arange(0, 4)[None, :]
+    # code (t, i) of a word: magnitude at bits 16t + 4i, sign at bit 8i + 7 - 4t (atom_moe/layouts/mx_quads.py)
+    c = ((w >> (16 * t + 4 * i)) & 7) | (((w >> (8 * i + 7 - 4 * t)) & 1) << 3)  # nb kb lane j t i
+    c = tl.reshape(c, (NB, KB, 8, 4, 2, 2, 2, 4))  # nb kb g q s h t i
+    c = tl.reshape(tl.permute(c, (0, 5, 2, 1, 4, 6, 3, 7)), (BLOCK_N, BLOCK_K // 32, 32))  # nb h g | kb s | t q i
+    if FLUSH:
+        c = c & tl.where(((resid.to(tl.int32) - 1) & 0xFF) < 12, 15, 8)[:, :, None]
+    lo, hi = tl.split(tl.reshape(c, (BLOCK_N, BLOCK_K // 2, 2)))
+    return (lo | (hi << 4)).to(tl.uint8)
+
+
+@triton.jit
+def quad_scales(resid):
+    """MX quads' residual bytes d -> the e8m0 scales 2^(d - 6) (uint8, same shape) that give tl.dot_scaled the
+    e4m3 table's value * 2^(s - base + 6); 2^0 outside [1, 12] (padding, flushed or all-zero blocks), never the
+    NaN byte."""
+    d = resid.to(tl.int32)
+    return tl.where(((d - 1) & 0xFF) < 12, d + 121, 127).to(tl.uint8)
+
+
+@triton.jit
+def dot_scaled_emulated(codes, scales, a, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """tl.dot_scaled(codes, scales, "e2m1", a, None, "e4m3") in fp32, for the interpreter (which has no
+    dot_scaled): codes uint8 [BLOCK_N, BLOCK_K / 2], scales e8m0 [BLOCK_N, BLOCK_K / 32], a [BLOCK_K, M]."""
+    c = tl.reshape(tl.join(codes & 15, codes >> 4), (BLOCK_N, BLOCK_K // 32, 32)).to(tl.int32)
+    e, m = (c >> 1) & 3, (c & 1).to(tl.float32)
+    mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * (1 << tl.maximum(e - 1, 0)).to(tl.float32))
+    scale = (scales.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(x - 127); the scales are >= 1
+    w = tl.reshape(tl.where(c >= 8, -mag, mag) * scale[:, :, None], (BLOCK_N, BLOCK_K))
+    return tl.dot(w, a.to(tl.float32))
+
+
+@triton.jit
 def row_factor(rowexp_ptr, e64, n, n_ok, n_rows):
     """fp32 2^(base - 133) for rows n of expert e64 (NaN where base is the e8m0 NaN byte)."""
     base = tl.load(rowexp_ptr + e64 * n_rows + n, mask=n_ok, other=127).to(tl.int32)
@@ -201,12 +262,20 @@ def row_factor(rowexp_ptr, e64, n, n_ok, n_rows):
 @triton.jit
 def swap_step(acc, a, a_s, w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks, BLOCK_N: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, BIG: tl.constexpr,
-              INTERP: tl.constexpr):
+              INTERP: tl.constexpr, SCALED: tl.constexpr = False):
     """acc^T [BLOCK_N, BLOCK_M] plus one K step of W @ a^T. a is [BLOCK_K, BLOCK_M]: bf16 against
     MX tiles, or (FP8) e4m3 against MX quads, with per-token scales a_s applied to the step's fp8
-    product (BIG: MX tiles' scales above 128; for MX quads it is FLUSH)."""
+    product (BIG: MX tiles' scales above 128; for MX quads it is FLUSH); SCALED: MX quads through
+    tl.dot_scaled."""
     words, swords = load_tile(w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks)
-    if FP8:
+    if FP8 and SCALED:
+        codes = tile_e2m1(words, swords, BLOCK_N, BLOCK_K, BIG)
+        if INTERP:
+            step = dot_scaled_emulated(codes, quad_scales(swords), a, BLOCK_N, BLOCK_K)
+        else:
+            step = tl.dot_scaled(codes, quad_scales(swords), "e2m1", a, None, "e4m3")
+        acc = acc + step * a_s[None, :]
+    elif FP8:
         w = tile_e4m3(words, swords, BLOCK_N, BLOCK_K, BIG, not INTERP and PRMT_OK)
         step = tl.dot(w, a)
         acc = acc + step * a_s[None, :]
@@ -329,6 +398,37 @@ def dequantize_quads(values: torch.Tensor, residuals: torch.Tensor, rowexp: torc
                                 want_v[0], want_v[1], FLUSH=flush, PRMT=use_prmt(), BLOCK_N=block_n,
                                 BLOCK_K=block_k)
     return out
+
+
+SCALED_DOT_FLAG = "ATOM_MOE_SCALED_DOT"
+# Triton's gfx950 build maps tl.dot_scaled onto the scaled MFMA (v_mfma_scale_f32_16x16x128_f8f6f4)
+# from a 128-k step on; at 64 it upcasts both operands to bf16 MFMAs, slower than the e4m3 decode's
+# fp8 MFMAs (amdgcn of hip_compile's builds, 2026-12-03)
+SCALED_MIN_BLOCK_K = 128
+
+
+def scaled_by_default(arch: str, block_k: int) -> bool:
+    """scaled_dot's default for a GPU architecture ("gfx950", "gfx942", "sm_90a", ...) and a K step."""
+    return arch.split(":")[0] == "gfx950" and block_k >= SCALED_MIN_BLOCK_K
+
+
+@functools.cache
+def _arch(index: int) -> str:
+    return torch.cuda.get_device_properties(index).gcnArchName
+
+
+def scaled_dot(device: torch.device, block_k: int) -> bool:
+    """Whether an a8w4 launch with this K step dots through tl.dot_scaled on `device`:
+    ATOM_MOE_SCALED_DOT=1 / 0 forces it, else `scaled_by_default` (gfx950, block_k >= 128)."""
+    flag = os.environ.get(SCALED_DOT_FLAG, "")
+    if flag not in ("", "0", "1"):
+        raise ValueError(f"{SCALED_DOT_FLAG}={flag!r}: allowed are 1 (a8w4 through tl.dot_scaled), 0 (the e4m3 "
+                         "decode), or unset (tl.dot_scaled on gfx950 GPUs from a 128-k step on)")
+    if flag:
+        return flag == "1"
+    if device.type != "cuda" or torch.version.hip is None:
+        return False
+    return scaled_by_default(_arch(device.index if device.index is not None else torch.cuda.current_device()), block_k)
 
 
 def use_prmt() -> bool:

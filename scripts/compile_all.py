@@ -278,7 +278,10 @@ def _builder(kernel, sig, ce, div, options, target: str):
     def build() -> int:
         # a ROCm torch sets this False: PTX's byte permute does not exist on AMD
         mxfp4.PRMT_OK = tl.constexpr(TARGETS[target].backend == "cuda")
-        return compile_one(kernel, sig, ce, div, options, TARGETS[target])
+        # what mxfp4.scaled_dot picks on that GPU: a8w4 (e4m3 x MX quads) through tl.dot_scaled on gfx950
+        scaled = ({"SCALED": ce["FP8"] and ce["W4"] and mxfp4.scaled_by_default(target, ce["BLOCK_K"])}
+                  if "SCALED" in ce else {})
+        return compile_one(kernel, sig, {**ce, **scaled}, div, options, TARGETS[target])
     return build
 
 if __name__ == "__main__":

@@ -5,13 +5,15 @@ machine, no GPU needed: Triton's HIP target builds an hsaco for gfx942 (MI300X) 
     python scripts/hip_compile.py                 # gfx942 and gfx950, every variant
     python scripts/hip_compile.py --arch gfx950 --schemes a8w4
 
-The variants: every row of kernels/configs/*.csv, and the heuristic's pick for every preset
+The variants: every row of kernels/configs/*.csv (a8w4's GEMM1 also at 128-k steps, the K step
+that runs tl.dot_scaled on gfx950), and the heuristic's pick for every preset
 (and the seed shapes of the bench) at every token bucket, per scheme, GEMM2 built at top-k 8 with the
 separate combine; and for the served presets (atom_moe.presets.SERVED: top-k 9 and 6) GEMM2 exactly as
 their heuristic picks launch it in their schemes (a8w4 too for GLM-5.2's MXFP4), with the combine each
 token bucket takes (kernels/gemm2.py's SEPARATE_MIN_PAIRS). On AMD the a8w4 e4m3
 decode takes its portable path (kernels/mxfp4.py's PRMT switch is PTX-only: off on a ROCm
-torch), so this script turns that switch off for the HIP build, as a ROCm torch would.
+torch), so this script turns that switch off for the HIP build, as a ROCm torch would; on
+gfx950 a8w4 is built with SCALED (tl.dot_scaled) where `mxfp4.scaled_dot` picks it (128-k steps).
 """
 
 from __future__ import annotations
@@ -38,12 +40,15 @@ SCHEMES = compile_all.SCHEMES
 
 def variants(schemes: tuple[str, ...]) -> set[tuple]:
     """(kernel, scheme, block_m, block_n, block_k, warps, stages, top_k, separate) for every config the lookup
-    can return (GEMM1 does not specialize on the last two: 8, True)."""
+    can return, and a8w4's GEMM1 also at 128-k steps (GEMM1 does not specialize on the last two: 8, True)."""
     out = set()
     for scheme, configs in compile_all.table_configs(schemes).items():
         for c in configs:
             out.add(("gemm1", scheme, c.block_m, c.block_n1, c.block_k1, c.warps1, c.stages1, 8, True))
             out.add(("gemm2", scheme, c.block_m, c.block_n2, c.block_k2, c.warps2, c.stages2, 8, True))
+    # a8w4 GEMM1 at 128-k steps too: a pick `atom-moe tune` may make, and on gfx950 the one that runs
+    # tl.dot_scaled (the tables and the heuristic step by 64)
+    out |= {u[:4] + (128,) + u[5:] for u in out if u[:2] == ("gemm1", "a8w4")}
     return out | served_variants(schemes)
 
 
@@ -70,7 +75,9 @@ def compile_hip(kernel: str, scheme: str, bm: int, bn: int, bk: int, warps: int,
     fn, sig, div = kernel_sass.signature(kernel, scheme)
     if kernel == "gemm2" and not separate:  # the counter combine's partials are the fp32 workspace
         sig = {**sig, "partial_ptr": "*fp32"}
-    ce = kernel_sass.constexprs(kernel, scheme, bm, bn, bk, top_k, separate)
+    # a8w4 through tl.dot_scaled where kernels/mxfp4.py's scaled_dot picks it by default (gfx950, 128-k steps)
+    ce = kernel_sass.constexprs(kernel, scheme, bm, bn, bk, top_k, separate,
+                                scaled=mxfp4.scaled_by_default(arch, bk))
     names = list(sig) + list(ce)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in div}
     src = ASTSource(fn, {**sig, **{k: "constexpr" for k in ce}}, constexprs=ce, attrs=attrs)
@@ -78,7 +85,14 @@ def compile_hip(kernel: str, scheme: str, bm: int, bn: int, bk: int, warps: int,
     hsaco = compiled.asm.get("hsaco", b"")
     if not hsaco:
         raise RuntimeError("no hsaco produced")
+    if ce["SCALED"] and "v_mfma_scale_" not in compiled.asm["amdgcn"]:
+        raise RuntimeError("tl.dot_scaled did not become the scaled MFMA (v_mfma_scale_*)")
     return len(hsaco)
+
+
+def scaled_mark(variant: tuple, arch: str) -> str:
+    """" scaled" for a variant built with tl.dot_scaled on `arch` (a8w4 where mxfp4.scaled_by_default holds)."""
+    return " scaled" if variant[1] == "a8w4" and mxfp4.scaled_by_default(arch, variant[4]) else ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     mxfp4.PRMT_OK = tl.constexpr(False)  # what a ROCm torch sets: the PTX byte permute does not exist there
     todo = sorted(variants(tuple(args.schemes)))
-    jobs = [(f"{arch} {' '.join(map(str, v))}: hsaco", lambda v=v, arch=arch: compile_hip(*v, arch))
+    jobs = [(f"{arch} {' '.join(map(str, v))}{scaled_mark(v, arch)}: hsaco", lambda v=v, arch=arch: compile_hip(*v, arch))
             for arch in args.arch for v in todo]
     return 1 if compile_all.run_builds(jobs, f"variants built for {', '.join(args.arch)}") else 0
 

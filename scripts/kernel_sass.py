@@ -80,12 +80,12 @@ def signature(kernel: str, scheme: str) -> tuple[object, dict, list[str]]:
 
 
 def constexprs(kernel: str, scheme: str, block_m: int, block_n: int, block_k: int, top_k: int,
-               separate: bool = True) -> dict:
+               separate: bool = True, scaled: bool = False) -> dict:
     """The launchers' compile-time switches for a local-output call (GEMM2: the separate combine's, or with
-    separate=False the counter combine's of a three-launch call)."""
+    separate=False the counter combine's of a three-launch call); scaled: a8w4 through tl.dot_scaled."""
     common = dict(FP8=scheme in ("fp8", "a8w4"), W4=scheme in ("a16w4", "a8w4"), BIG=False, HAS_BIAS=True,
                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
-                  IGROUP=Scheme(scheme).inter_group, INTERP=False)
+                  IGROUP=Scheme(scheme).inter_group, INTERP=False, SCALED=scaled and scheme == "a8w4")
     if kernel == "gemm1":
         return {**common, "OAI": True, "CLAMP": False, "SPLIT": 1, "PHASE": 0}
     return {**common, "TOPK": top_k, "KP2": triton.next_power_of_2(top_k), "REMOTE": False, "SEPARATE": separate}
@@ -109,7 +109,8 @@ def loop_body(sass: str) -> list[str]:
 def compile_sass(args: argparse.Namespace) -> tuple[dict, str]:
     """Compile for sm_90a; return (report, SASS text)."""
     fn, sig, div = signature(args.kernel, args.scheme)
-    ce = constexprs(args.kernel, args.scheme, args.block_m, args.block_n, args.block_k, args.top_k)
+    ce = constexprs(args.kernel, args.scheme, args.block_m, args.block_n, args.block_k, args.top_k,
+                    scaled=args.scaled)
     names = list(sig) + list(ce)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in div}
     src = ASTSource(fn, {**sig, **{k: "constexpr" for k in ce}}, constexprs=ce, attrs=attrs)
@@ -154,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--stages", type=int, default=3)
     p.add_argument("--top-k", type=int, default=4, help="GEMM2's combine width")
+    p.add_argument("--scaled", action="store_true", help="a8w4 through tl.dot_scaled (gfx950's path; on sm_90a "
+                   "Triton decomposes it)")
     p.add_argument("--top", type=int, default=16, help="most frequent instructions to list")
     p.add_argument("--sass", type=Path, help="also write the whole SASS here")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object instead")

@@ -257,6 +257,26 @@ def test_a8w4_flushed_blocks(seed, block_n1):
     assert rel_err(fused_experts(x, w, ids, dataclasses.replace(p, mx_flush=False), spec, config=cfg), twin) > 0.1
 
 
+@pytest.mark.parametrize("block_k1", [64, 128])
+def test_a8w4_through_dot_scaled(seed, monkeypatch, block_k1):
+    # ATOM_MOE_SCALED_DOT=1: a8w4 through the real tl.dot_scaled (gfx950's path; Triton decomposes it on
+    # Hopper), at gpt-oss dims, against the twin and the e4m3 decode (the CPU runs an fp32 emulation)
+    from atom_moe.experts_torch import experts_torch
+    from atom_moe.kernels import mxfp4
+    from atom_moe.kernels.tuning import TileConfig
+    _, fused_experts = _fused()
+    H, I, E, k, T = 2880, 2880, 6, 4, 300
+    spec, p = make_layer(H, I, E, k, "a8w4", oai=True, bias=True, device="cuda")
+    w, ids = make_routing(T, E, k, mode="random", device="cuda")
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    cfg = TileConfig(32, 128, block_k1, 4, 3, 64, 64, 4, 3)
+    monkeypatch.setenv(mxfp4.SCALED_DOT_FLAG, "1")
+    got = fused_experts(x, w, ids, p, spec, config=cfg)
+    assert torch.isfinite(got).all() and rel_err(got, experts_torch(x, w, ids, p, spec)) <= 1e-2
+    monkeypatch.setenv(mxfp4.SCALED_DOT_FLAG, "0")
+    assert rel_err(got, fused_experts(x, w, ids, p, spec, config=cfg)) <= 1e-2
+
+
 @pytest.mark.parametrize("act", ["fp8", "bf16"])
 def test_plugin_mxfp4_path_equals_fused_experts_bit_for_bit(seed, act):
     """ATOM_MOE_MXFP4_ACT on the GPU: the vLLM plugin's path for a gpt-oss layer equals fused_experts, bit for bit.

@@ -113,6 +113,9 @@ def test_every_table_variant_builds_for_amd():
     assert {line.split()[2] for line in built} == {"bf16", "fp8", "a16w4", "a8w4"}
     assert all(int(line.split()[-2]) > 0 for line in built)
     assert "FAILED" not in run.stdout
+    # a8w4 at 128-k steps on gfx950 runs tl.dot_scaled, and the build checked it became the scaled MFMA
+    scaled = [line.split() for line in built if " scaled: " in line]
+    assert scaled and all(f[0] == "gfx950" and f[2] == "a8w4" and int(f[5]) >= 128 for f in scaled)
     # the served presets' GEMM2 as their heuristic picks launch it: top-k 9 (GLM-5.2) and 6 (V4.1), both
     # combines (fields: arch kernel scheme bm bn bk warps stages top_k separate)
     served = {(f[0], f[8], f[9].rstrip(":")) for f in (line.split() for line in built) if f[1] == "gemm2"}
