@@ -65,3 +65,15 @@ def reference(x, w, ids, spec: MoESpec, p: PreparedWeights, act_quant: bool) -> 
     ref_w = ReferenceWeights.from_prepared(p)
     return reference_moe(x, w, ids, ref_w, spec.activation, experts=spec.local_experts,
                          act_quant=spec.scheme if act_quant else None)
+
+
+def flushable_mxfp4(E: int, H: int, I: int, drop: float) -> list[tuple[torch.Tensor, ...]]:
+    """Plain MXFP4 (w13, w13 scales, w2, w2 scales) of E experts: random e2m1 bytes and e8m0 scales,
+    a `drop` fraction of the blocks 15-37 binades down, so a8w4 flushes some (atom_moe/layouts/mx_quads.py)."""
+    def block(rows, cols):
+        packed = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8)
+        scales = torch.randint(119, 126, (rows, cols // 32), dtype=torch.uint8)
+        low = torch.rand(scales.shape) < drop
+        scales[low] = torch.randint(90, 108, (int(low.sum()),), dtype=torch.uint8)
+        return packed, scales
+    return [(*block(2 * I, H), *block(H, I)) for _ in range(E)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import make_layer, make_routing, reference, rel_err
+from kernel_cases import flushable_mxfp4, make_layer, make_routing, reference, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -234,14 +234,7 @@ def test_a8w4_flushed_blocks(seed, block_n1):
     H, I, E, k, T = 2880, 2880, 4, 4, 200
     spec = MoESpec.create(hidden_size=H, intermediate_size=I, num_experts=E, top_k=k, scheme="a8w4")
 
-    def block(rows, cols):  # random e2m1 bytes and e8m0 scales, ~15% of the blocks 15-37 binades down
-        packed = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8)
-        scales = torch.randint(119, 126, (rows, cols // 32), dtype=torch.uint8)
-        drop = torch.rand(scales.shape) < 0.15
-        scales[drop] = torch.randint(90, 108, (int(drop.sum()),), dtype=torch.uint8)
-        return packed, scales
-
-    experts = [(*block(2 * I, H), *block(H, I)) for _ in range(E)]
+    experts = flushable_mxfp4(E, H, I, 0.15)
     flushed = sum(int(mx_quads.flushed_blocks(p, s).sum()) for ex in experts for p, s in (ex[:2], ex[2:]))
     assert flushed > 0
     with warnings.catch_warnings():

@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_cases import make_layer, make_routing, rel_err  # noqa: E402
+from kernel_cases import flushable_mxfp4, make_layer, make_routing, rel_err  # noqa: E402
 
 from atom_moe.experts import fused_experts  # noqa: E402
 from atom_moe.experts_torch import experts_torch  # noqa: E402
@@ -73,14 +73,7 @@ def test_flushed_blocks_through_dot_scaled(seed, monkeypatch):
     H, I, E, k, T = 192, 128, 3, 2, 11
     spec = MoESpec.create(hidden_size=H, intermediate_size=I, num_experts=E, top_k=k, scheme="a8w4")
 
-    def block(rows, cols):  # random e2m1 bytes and e8m0 scales, ~35% of the blocks 15-37 binades down
-        packed = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8)
-        scales = torch.randint(119, 126, (rows, cols // 32), dtype=torch.uint8)
-        drop = torch.rand(scales.shape) < 0.35
-        scales[drop] = torch.randint(90, 108, (int(drop.sum()),), dtype=torch.uint8)
-        return packed, scales
-
-    experts = [(*block(2 * I, H), *block(H, I)) for _ in range(E)]
+    experts = flushable_mxfp4(E, H, I, 0.35)
     assert sum(int(mx_quads.flushed_blocks(q, s).sum()) for ex in experts for q, s in (ex[:2], ex[2:])) > 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # the flush warning (tests/test_mx_quads.py)
