@@ -185,8 +185,8 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
             partial if split > 1 else out, triton.cdiv(triton.cdiv(hidden, block_k), split) * block_k)
     meta = dict(SPLIT=split, FP8=fp8, W4=w4, BIG=w4 and (mx_flush if fp8 else mx_big), OAI=oai,
                 CLAMP=clamp, HAS_BIAS=w13_bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                GROUP_M=group_m, IGROUP=igroup, INTERP=interpreting(), SCALED=w4 and fp8 and scaled_dot(x.device, block_k),
-                num_warps=num_warps, num_stages=num_stages)
+                GROUP_M=group_m, IGROUP=igroup, INTERP=interpreting(),
+                SCALED=w4 and fp8 and scaled_dot(x.device, block_k), num_warps=num_warps, num_stages=num_stages)
     if split == 1:
         _gemm1_kernel[(tiles,)](*args, PHASE=0, **meta)
     else:
