@@ -96,10 +96,10 @@ def allocate_workspace(spec: MoESpec, max_tokens: int, device: torch.device | st
         cursor=torch.empty(E_l, **i32), chunk_counts=torch.empty(routing.sort_chunks(pairs) * E_l, **i32),
         counters=torch.empty(max_tokens * n_counters, **i32),
         n_counters=n_counters,
-        # GEMM2's weighted rows; GEMM1's split-K slices borrow it at decode sizes (kernels/gemm1.py),
-        # so it has room for MAX_SPLIT_K slices of [pairs, 2I] there
-        partial=torch.empty(max(pairs, -(-tuning.MAX_SPLIT_K * min(pairs, tuning.SPLIT_MAX_PAIRS) * 2 * I // H)), H,
-                            dtype=torch.float32, device=device),
+        # GEMM2's weighted rows; at decode sizes it holds MAX_SPLIT_K K slices of GEMM1's [pairs, 2I]
+        # (borrowed while GEMM1 runs) or of GEMM2's [pairs, H] (kernels/gemm1.py, gemm2.py)
+        partial=torch.empty(max(pairs, -(-tuning.MAX_SPLIT_K * min(pairs, tuning.SPLIT_MAX_PAIRS) * max(2 * I, H)
+                                         // H)), H, dtype=torch.float32, device=device),
         inter=torch.empty(rows, I, dtype=FP8_DTYPE if fp8 else torch.bfloat16, device=device),
         inter_scale=torch.empty(rows, -(-I // spec.scheme.inter_group), dtype=torch.float32, device=device)
         if fp8 else None,
@@ -211,7 +211,8 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     x1, x1_scale = (x, x_scale) if pre_quantized else (ws.x_q[:T], ws.x_scale[:T]) if fp8 else (x, None)
     # split-K is a decode-size setting: a row picked for a nearby bucket may meet a larger call (T=16
     # from the T=8 row), which then runs the same tiles unsplit (kernels/gemm1.py check_split)
-    split_k = cfg.split_k1 if T * k <= tuning.SPLIT_MAX_PAIRS else 1
+    decode = T * k <= tuning.SPLIT_MAX_PAIRS
+    split_k = cfg.split_k1 if decode else 1
     gemm1.gemm1(x1, x1_scale, weights.w13, weights.w13_scale, weights.w13_bias,
                 ws.sorted_ids, ws.block_expert, n_blocks, k, ws.inter, ws.inter_scale,
                 oai=act.kind is ActivationKind.SWIGLU_OAI, clamp=act.kind is ActivationKind.SWIGLU_CLAMP,
@@ -222,13 +223,14 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
                 split_k=split_k, partial=ws.partial)
     separate = remote is None and (combine == "separate" or (combine is None and T * k >= gemm2.SEPARATE_MIN_PAIRS))
     partial = gemm2.separate_partial(ws.partial, out) if separate else ws.partial
+    split_k2 = cfg.split_k2 if decode and not separate and remote is None else 1
     gemm2.gemm2(ws.inter, ws.inter_scale, weights.w2, weights.w2_scale, weights.w2_bias,
                 ws.sorted_ids, ws.block_expert, n_blocks, topk_ids, weights.expert_map, topk_weights,
                 partial, ws.counters, ws.n_counters, out if out is not None else ws.partial,
                 block_m=cfg.block_m, block_n=cfg.block_n2, block_k=cfg.block_k2,
                 num_warps=cfg.warps2, num_stages=cfg.stages2, group_m=cfg.group_m, remote=remote,
                 hidden=weights.hidden_size, mx_big=weights.mx_scale_max > 128,
-                w2_rowexp=weights.w2_rowexp, mx_flush=weights.mx_flush, separate=separate)
+                w2_rowexp=weights.w2_rowexp, mx_flush=weights.mx_flush, separate=separate, split_k=split_k2)
     if separate:
         gemm2.combine(partial, topk_ids, weights.expert_map, out)
     return out

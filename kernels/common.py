@@ -1,15 +1,39 @@
-"""Pieces shared by the kernels: constants, tile order, bf16 dot, rounding cast, interpreter switch."""
+"""Pieces shared by the kernels: constants, tile order, bf16 dot, rounding cast, interpreter switch,
+the split-K bounds."""
 
 from __future__ import annotations
 
 import os
 
+import torch
 import triton
 import triton.language as tl
 
 # Kernel-visible constants must be tl.constexpr globals.
 FP8_MAX = tl.constexpr(448.0)  # largest finite e4m3
 QGROUP = tl.constexpr(128)  # activation quant group / weight block edge
+MAX_SPLIT_K = 8  # K slices of a split-K GEMM
+SPLIT_MAX_PAIRS = 128  # (token, slot) pairs up to which a GEMM may split K (T <= 16 at top-8)
+
+
+def check_split(gemm: str, split_k: int, num_pairs: int, n_out: int, k: int, block_k: int,
+                partial: torch.Tensor | None) -> int:
+    """split_k if `gemm` can split its K that many ways here (a decode batch, room in `partial`), else a ValueError."""
+    if not isinstance(split_k, int) or not 1 <= split_k <= MAX_SPLIT_K:
+        raise ValueError(f"{gemm} split_k must be an int in [1, {MAX_SPLIT_K}], got {split_k!r}")
+    if split_k == 1:
+        return 1
+    if num_pairs > SPLIT_MAX_PAIRS:
+        raise ValueError(f"{gemm} split_k={split_k} is for decode batches of at most {SPLIT_MAX_PAIRS} (token, slot) "
+                         f"pairs, got {num_pairs}")
+    if triton.cdiv(k, block_k) < split_k:
+        raise ValueError(f"{gemm} split_k={split_k} exceeds the {triton.cdiv(k, block_k)} K steps of {block_k}")
+    need = split_k * num_pairs * n_out
+    if partial is None or partial.dtype != torch.float32 or partial.numel() < need:
+        have = "none" if partial is None else f"{partial.numel()} {partial.dtype}"
+        raise ValueError(f"{gemm} split_k={split_k} needs an fp32 partial buffer of split_k * pairs * {n_out} = {need} "
+                         f"elements, got {have} (atom_moe.experts.allocate_workspace sizes it)")
+    return split_k
 
 
 def interpreting() -> bool:

@@ -31,13 +31,11 @@ import triton.language as tl
 from atom_moe.layouts.gate_up import GateUpKind, GateUpLayout, GateUpTensor, LayoutError, require
 from atom_moe.spec import A8W4_INTER_GROUP
 
-from .common import FP8_MAX, QGROUP, cast, interpreting
+from .common import FP8_MAX, QGROUP, cast, check_split, interpreting
 from .mainloop import k_loop, tile_expert, tile_finish, tile_rows, tile_start
 from .mxfp4 import launch_args, rowexp_arg, scaled_dot
 
 GROUP = 128  # host-side twin of common.QGROUP
-MAX_SPLIT_K = 8  # K slices of split-K GEMM1
-SPLIT_MAX_PAIRS = 128  # (token, slot) pairs up to which GEMM1 may split K (T <= 16 at top-8)
 
 
 @triton.jit
@@ -69,12 +67,22 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, 
     # stores the fp32 sum over its K slice [s * k_span, (s + 1) * k_span) to part[s, pair]; PHASE 2 (a
     # second launch, one program per tile) adds the SPLIT slices in order s = 0, 1, ... (deterministic)
     # and runs the epilogue below.
-    p_ptrs = part_ptr + pair.to(tl.int64)[:, None] * n_out + n[None, :]
+    # MXFP4's accumulator is out^T [BLOCK_N, BLOCK_M] until tile_finish: its slices go through part
+    # transposed, so the slice sum is exact in either orientation.
+    if W4:
+        p_ptrs = part_ptr + pair.to(tl.int64)[None, :] * n_out + n[:, None]
+        p_mask = n_ok[:, None] & row_ok[None, :]
+    else:
+        p_ptrs = part_ptr + pair.to(tl.int64)[:, None] * n_out + n[None, :]
+        p_mask = row_ok[:, None] & n_ok[None, :]
     slab = num_pairs.to(tl.int64) * n_out  # one K slice's rows
     if PHASE == 2:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if W4:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for s in range(SPLIT):
-            acc += tl.load(p_ptrs + s * slab, mask=row_ok[:, None] & n_ok[None, :], other=0.0)
+            acc += tl.load(p_ptrs + s * slab, mask=p_mask, other=0.0)
     else:
         k_lo = 0
         k_hi = hidden
@@ -84,7 +92,7 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, 
         acc = k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_ptrs, n_ok, w_off, s_off, nb_ok, kb,
                      k_blocks, hidden, k_lo, k_hi, QGROUP, FP8, W4, BIG, BLOCK_M, BLOCK_N, BLOCK_K, INTERP, SCALED)
         if PHASE == 1:
-            tl.store(p_ptrs + tl.program_id(1) * slab, acc, mask=row_ok[:, None] & n_ok[None, :])
+            tl.store(p_ptrs + tl.program_id(1) * slab, acc, mask=p_mask)
             return
     acc = tile_finish(acc, rowexp_ptr, bias_ptr, e64, n, n_ok, n_out, FP8, W4, HAS_BIAS)
     gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
@@ -132,7 +140,7 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
 
     MXFP4 w13 comes as MX tiles (a16w4; mx_big: some e8m0 scale is above 128) or, with e4m3
     activations (a8w4), as MX quads with their row exponents w13_rowexp_t (mx_flush: some
-    blocks are flushed, atom_moe/layouts/mx_quads.py). split_k > 1 (bf16, fp8) splits K that many
+    blocks are flushed, atom_moe/layouts/mx_quads.py). split_k > 1 splits K that many
     ways over a second grid axis and adds the slices in a second launch, through `partial` (fp32,
     >= split_k * T * top_k * 2I elements: GEMM2's scratch, free while GEMM1 runs; allocate_workspace
     sizes it for split-K at decode batches).
@@ -175,7 +183,7 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
         raise ValueError("GEMM1: oai already clamps; pass clamp only for clamped SiLU (swiglu_clamp)")
     if block_n % 2:
         raise ValueError(f"GEMM1 block_n must be even (gate/up pairs), got {block_n}")
-    split = check_split(split_k, w4, num_tokens * top_k, 2 * inter, hidden, block_k, partial)
+    split = check_split("GEMM1", split_k, num_tokens * top_k, 2 * inter, hidden, block_k, partial)
     # BIG is each MX layout's one compile-time switch: a16w4's scales above 128, a8w4's flushed blocks
     tiles = n_blocks * triton.cdiv(2 * inter, block_n)
     args = (x, x.stride(0), x_scale if fp8 else x, w13, w13_scale if w13_scale is not None else w13, rowexp,
@@ -193,24 +201,3 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
         _gemm1_kernel[(tiles, split)](*args, PHASE=1, **meta)
         _gemm1_kernel[(tiles,)](*args, PHASE=2, **meta)
 
-
-def check_split(split_k: int, w4: bool, num_pairs: int, n_out: int, hidden: int, block_k: int,
-                partial: torch.Tensor | None) -> int:
-    """split_k if GEMM1 can split K that many ways here (bf16/fp8, a decode batch, room in `partial`), else a ValueError."""
-    if not isinstance(split_k, int) or not 1 <= split_k <= MAX_SPLIT_K:
-        raise ValueError(f"GEMM1 split_k must be an int in [1, {MAX_SPLIT_K}], got {split_k!r}")
-    if split_k == 1:
-        return 1
-    if w4:
-        raise ValueError(f"GEMM1 split_k={split_k}: split-K runs bf16 and fp8 weights only (MXFP4 tiles start at k = 0)")
-    if num_pairs > SPLIT_MAX_PAIRS:
-        raise ValueError(f"GEMM1 split_k={split_k} is for decode batches of at most {SPLIT_MAX_PAIRS} (token, slot) "
-                         f"pairs, got {num_pairs}")
-    if triton.cdiv(hidden, block_k) < split_k:
-        raise ValueError(f"GEMM1 split_k={split_k} exceeds the {triton.cdiv(hidden, block_k)} K steps of {block_k}")
-    need = split_k * num_pairs * n_out
-    if partial is None or partial.dtype != torch.float32 or partial.numel() < need:
-        have = "none" if partial is None else f"{partial.numel()} {partial.dtype}"
-        raise ValueError(f"GEMM1 split_k={split_k} needs an fp32 partial buffer of split_k * pairs * 2I = {need} "
-                         f"elements, got {have} (atom_moe.experts.allocate_workspace sizes it)")
-    return split_k

@@ -14,6 +14,11 @@ atomics, the last program's serial k-row read and their registers from GEMM2, an
 the partial traffic for bf16 output. Below SEPARATE_MIN_PAIRS pairs the counter combine
 keeps the layer at three launches.
 
+SPLIT (decode batches, local output, counter combine): program (tile, slice) runs the K slice
+[slice * k_span, ...) and stores its weighted rows to partial[slice * pairs + pair]; a token's
+counter then completes at SPLIT times its local slots, and the last program sums slot by slot,
+slice by slice: still one fixed order. The bias is added by slice 0 only.
+
 REMOTE (symm transport, kernels/transport.py): the rows are other ranks' tokens. For a
 source in fused mode each weighted (token, slot) row goes straight into that source's
 `slots` row t*k + j; for a source in split mode the token's local slots are combined as
@@ -36,7 +41,7 @@ import triton.language as tl
 
 from atom_moe.spec import A8W4_INTER_GROUP
 
-from .common import QGROUP, cast, interpreting
+from .common import QGROUP, cast, check_split, interpreting
 from .mainloop import k_loop, tile_expert, tile_finish, tile_rows, tile_start
 from .mxfp4 import launch_args, rowexp_arg, scaled_dot
 
@@ -67,8 +72,8 @@ class RemoteOutput:
 def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr, block_expert_ptr,
                   ids_ptr, emap_ptr, topk_w_ptr, partial_ptr, counters_ptr, n_counters, out_ptr, stride_out,
                   num_pairs, num_experts, hidden, inter, n_blocks,
-                  delta_ptr, info_ptr, slots_ptr, returned_ptr, capacity, rank, row_blocks, k_blocks,
-                  FP8: tl.constexpr, W4: tl.constexpr, BIG: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  delta_ptr, info_ptr, slots_ptr, returned_ptr, capacity, rank, row_blocks, k_blocks, k_span,
+                  SPLIT: tl.constexpr, FP8: tl.constexpr, W4: tl.constexpr, BIG: tl.constexpr, HAS_BIAS: tl.constexpr,
                   TOPK: tl.constexpr, KP2: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, IGROUP: tl.constexpr, INTERP: tl.constexpr, REMOTE: tl.constexpr,
@@ -98,10 +103,18 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr
         gid = tl.load(ids_ptr + tok[:, None] * TOPK + j[None, :], mask=slot_ok, other=-1).to(tl.int32)
         slot_ok = slot_ok & (gid >= 0) & (gid < num_experts)
         slot_ok = slot_ok & (tl.load(emap_ptr + gid, mask=slot_ok, other=-1) >= 0)
-        needed = tl.sum(slot_ok.to(tl.int32), 1)
+        needed = tl.sum(slot_ok.to(tl.int32), 1) * SPLIT
+    k_lo = 0
+    k_hi = inter
+    if SPLIT > 1:
+        k_lo = tl.program_id(1) * k_span
+        k_hi = tl.minimum(k_lo + k_span, inter)
     acc = k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_ptrs, n_ok, w_off, s_off, nb_ok, kb, k_blocks,
-                 inter, 0, inter, IGROUP, FP8, W4, BIG, BLOCK_M, BLOCK_N, BLOCK_K, INTERP, SCALED)
-    acc = tile_finish(acc, rowexp_ptr, bias_ptr, e64, n, n_ok, hidden, FP8, W4, HAS_BIAS)
+                 inter, k_lo, k_hi, IGROUP, FP8, W4, BIG, BLOCK_M, BLOCK_N, BLOCK_K, INTERP, SCALED)
+    acc = tile_finish(acc, rowexp_ptr, bias_ptr, e64, n, n_ok, hidden, FP8, W4, HAS_BIAS and SPLIT == 1)
+    if HAS_BIAS and SPLIT > 1:  # once per row: by slice 0 (the flag as a vector: triton 3.9's interpreter)
+        first = (tl.zeros([BLOCK_N], tl.int32) + tl.program_id(1)) == 0
+        acc += tl.load(bias_ptr + e64 * hidden + n, mask=n_ok & first, other=0.0)[None, :]
     weight = tl.load(topk_w_ptr + pair64, mask=row_ok, other=0.0).to(tl.float32)
     acc = acc * weight[:, None]
     if SEPARATE:  # `combine` sums the rows in a later launch
@@ -123,7 +136,10 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr
         else:
             dst_row = out_ptr + tok * stride_out
         tile_mask = combine_rows[:, None] & n_ok[None, :]
-        tl.store(partial_ptr + pair64[:, None] * hidden + n[None, :], acc, mask=tile_mask)
+        slice_row = pair64
+        if SPLIT > 1:
+            slice_row += tl.program_id(1) * num_pairs
+        tl.store(partial_ptr + slice_row[:, None] * hidden + n[None, :], acc, mask=tile_mask)
 
         tl.debug_barrier()  # every thread's partial stores precede the release below
         seen = tl.atomic_add(counters_ptr + tok * n_counters + pid_n, tl.full([BLOCK_M], 1, tl.int32),
@@ -136,8 +152,9 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr
             # slot_ok (registers), so each step is a single load.
             for s in range(0, TOPK):
                 ok = last & (tl.sum(tl.where(j[None, :] == s, slot_ok, False).to(tl.int32), 1) > 0)
-                p_ptrs = partial_ptr + (tok * TOPK + s)[:, None] * hidden + n[None, :]
-                total += tl.load(p_ptrs, mask=ok[:, None] & n_ok[None, :], other=0.0, cache_modifier=".cg")
+                for sl in tl.static_range(SPLIT):
+                    p_ptrs = partial_ptr + (tok * TOPK + s + sl * num_pairs)[:, None] * hidden + n[None, :]
+                    total += tl.load(p_ptrs, mask=ok[:, None] & n_ok[None, :], other=0.0, cache_modifier=".cg")
             tl.store(dst_row[:, None] + n[None, :], cast(total, dst_row.dtype.element_ty, INTERP),
                      mask=last[:, None] & n_ok[None, :])
 
@@ -191,14 +208,17 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
           partial: torch.Tensor, counters: torch.Tensor, n_counters: int, out: torch.Tensor, *,
           block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int, group_m: int = 8,
           remote: "RemoteOutput | None" = None, separate: bool = False, hidden: int | None = None,
-          mx_big: bool = False, w2_rowexp: torch.Tensor | None = None, mx_flush: bool = False) -> None:
+          mx_big: bool = False, w2_rowexp: torch.Tensor | None = None, mx_flush: bool = False,
+          split_k: int = 1) -> None:
     """out[t] = sum_k w[t,k] * (act[row(t,k)] @ w2[e]^T (+bias)), deterministic combine.
 
     remote: push the results to the source ranks instead of `out` (see the module docstring).
     separate: only write the weighted rows to `partial` (from `separate_partial`); the
     caller then runs `combine`. hidden (H): required for MXFP4, whose MX tiles are padded;
     mx_big: some MXFP4 e8m0 scale is above 128 (a16w4). a8w4's w2 is MX quads, with its row
-    exponents w2_rowexp (uint8 [E, H]) and mx_flush (atom_moe/layouts/mx_quads.py).
+    exponents w2_rowexp (uint8 [E, H]) and mx_flush (atom_moe/layouts/mx_quads.py). split_k > 1
+    splits K (I) that many ways over a second grid axis (decode batches, local counter combine:
+    `partial` then holds split_k * T * k rows).
     """
     fp8 = a_scale is not None  # e4m3 activations (fp8, a8w4)
     w4 = w2.dtype == torch.uint8  # MXFP4 weights (a16w4, a8w4): MX tiles [E, H/16, I/64, 512]
@@ -231,15 +251,19 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
                          f"the workspace has {n_counters}")
     if separate and (remote is not None or partial.dtype != out.dtype):
         raise ValueError("GEMM2 separate combine: local output only, partial in out's dtype (separate_partial)")
+    if split_k != 1 and (separate or remote is not None):
+        raise ValueError(f"GEMM2 split_k={split_k}: split-K runs with the local counter combine only "
+                         f"(not separate, not remote)")
+    split = check_split("GEMM2", split_k, num_tokens * top_k, hidden, inter, block_k, partial)
     # BIG is each MX layout's one compile-time switch: a16w4's scales above 128, a8w4's flushed blocks
-    grid = (n_blocks * triton.cdiv(hidden, block_n),)
+    grid = (n_blocks * triton.cdiv(hidden, block_n), split)
     _gemm2_kernel[grid](
         a, a_scale if fp8 else a, w2, w2_scale if w2_scale is not None else w2, rowexp if w4 else w2,
         w2_bias if w2_bias is not None else w2,
         sorted_ids, block_expert, topk_ids, expert_map, topk_weights, partial, counters, n_counters,
         out, out.stride(0), num_tokens * top_k, expert_map.shape[0], hidden, inter, n_blocks,
         *(remote.args() if remote is not None else (partial,) * 4 + (1, 0)), row_blocks, k_blocks,
-        FP8=fp8, W4=w4, BIG=w4 and (mx_flush if fp8 else mx_big), HAS_BIAS=w2_bias is not None, TOPK=top_k,
+        triton.cdiv(triton.cdiv(inter, block_k), split) * block_k, SPLIT=split, FP8=fp8, W4=w4, BIG=w4 and (mx_flush if fp8 else mx_big), HAS_BIAS=w2_bias is not None, TOPK=top_k,
         KP2=triton.next_power_of_2(top_k),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, IGROUP=igroup, INTERP=interpreting(),
         REMOTE=remote is not None, SEPARATE=separate, SCALED=w4 and fp8 and scaled_dot(a.device, block_k),

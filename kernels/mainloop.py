@@ -76,20 +76,25 @@ def k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_ptrs, n_ok, w_off,
     a_ptrs: activation tile pointers ([BLOCK_M, BLOCK_K], or [BLOCK_K, BLOCK_M] for W4) at k = 0;
     as_ptrs: each row's first activation scale (FP8), AGROUP columns per scale; w_ptrs / ws_ptrs:
     bf16/fp8 weight tile and block-scale pointers; w_off, s_off, nb_ok, kb: the MX tile offsets
-    (W4, from mxfp4.tile_offsets). Pointers of the unused kind are never read. k_lo > 0 (split-K,
-    bf16/fp8 only: the host refuses it for MXFP4) must be a multiple of BLOCK_K; K bounds the masks.
-    SCALED: a8w4 through tl.dot_scaled (kernels/mxfp4.py).
+    (W4, from mxfp4.tile_offsets). Pointers of the unused kind are never read. k_lo > 0 (split-K)
+    must be a multiple of BLOCK_K; K bounds the masks. SCALED: a8w4 through tl.dot_scaled
+    (kernels/mxfp4.py).
     """
     kk = tl.arange(0, BLOCK_K)
-    if not W4:  # k_lo is 0 for MXFP4, whose offsets start at k = 0
-        a_ptrs += k_lo
+    a_ptrs += k_lo
+    if W4:  # the MX offsets start at k = 0: skip k_lo / BLOCK_K steps
+        w_off += (k_lo // BLOCK_K) * ((BLOCK_K // 64) * 128)
+        s_off += (k_lo // BLOCK_K) * scale_step(BLOCK_K, FP8)
+    else:
         w_ptrs += k_lo
     if W4:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # out^T
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if W4 and FP8:  # activation scales one K step ahead: a plain load would stall every step
-        a_s_next = tl.load(as_ptrs, mask=row_ok, other=0.0)
+        # an empty last split-K slice starts past K: its first scale is not read
+        first = (tl.zeros([BLOCK_M], tl.int32) + k_lo) < K
+        a_s_next = tl.load(as_ptrs + k_lo // AGROUP, mask=row_ok & first, other=0.0)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k_ok = (k0 + kk) < K
         if W4:

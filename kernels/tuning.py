@@ -22,8 +22,8 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 ENV_VARS = ("ATOM_FLYDSL_KERNELS_PATH", "ATOM_MOE_CONFIG_DIR")
 KEY_COLUMNS = ("device", "scheme", "H", "I", "E", "top_k", "tokens")
 CONFIG_COLUMNS = ("block_m", "block_n1", "block_k1", "warps1", "stages1",
-                  "block_n2", "block_k2", "warps2", "stages2", "group_m", "split_k1")
-OPTIONAL_COLUMNS = {"split_k1": 1}  # tables written before the column existed read as its default
+                  "block_n2", "block_k2", "warps2", "stages2", "group_m", "split_k1", "split_k2")
+OPTIONAL_COLUMNS = {"split_k1": 1, "split_k2": 1}  # tables written before these columns existed read as 1
 COLUMNS = KEY_COLUMNS + CONFIG_COLUMNS + ("us",)
 
 
@@ -45,7 +45,8 @@ class TileConfig:
     warps2: int
     stages2: int
     group_m: int = 8
-    split_k1: int = 1  # GEMM1's K split (bf16, fp8; small batches): kernels/gemm1.py
+    split_k1: int = 1  # GEMM1's K split (small batches): kernels/gemm1.py
+    split_k2: int = 1  # GEMM2's K split (small batches, local counter combine): kernels/gemm2.py
 
     def check(self, scheme: str) -> None:
         """Raise ConfigError unless the kernels accept this config for `scheme`."""
@@ -70,8 +71,9 @@ class TileConfig:
                                  or self.block_k2 != 64):
             raise ConfigError(f"a8w4 needs block_n1 in (128, 256), block_k1 in (64, 128) and block_k2=64 (whole "
                               f"64-groups of GEMM2's input), got {self.block_n1}, {self.block_k1}, {self.block_k2}")
-        if self.split_k1 > MAX_SPLIT_K or (self.split_k1 > 1 and scheme in MXFP4):
-            raise ConfigError(f"split_k1={self.split_k1}: allowed 1..{MAX_SPLIT_K} for bf16 and fp8, 1 for MXFP4")
+        for name in ("split_k1", "split_k2"):
+            if getattr(self, name) > MAX_SPLIT_K:
+                raise ConfigError(f"{name}={getattr(self, name)}: allowed 1..{MAX_SPLIT_K}")
         if scheme in MXFP4 and (self.block_n1 % 16 or self.block_n2 % 16 or self.block_k1 % 64 or self.block_k2 % 64):
             raise ConfigError(f"{scheme} needs block_n1, block_n2 multiples of 16 and block_k1, block_k2 multiples "
                               f"of 64 (whole MX tile blocks), got n {self.block_n1}, {self.block_n2}, "
@@ -81,8 +83,8 @@ class TileConfig:
 FP8_ACT = ("fp8", "a8w4")  # e4m3 activations: tiles hold whole quant groups (Scheme.inter_group)
 MXFP4 = ("a16w4", "a8w4")  # e2m1 weights with one e8m0 scale per 32 along K
 MAX_BLOCK_M = 128  # the workspace is sized for the largest BLOCK_M
-MAX_SPLIT_K = 8  # kernels/gemm1.py's bound
-SPLIT_MAX_PAIRS = 128  # kernels/gemm1.py's: split-K only for decode batches
+MAX_SPLIT_K = 8  # kernels/common.py's bound (no triton import here)
+SPLIT_MAX_PAIRS = 128  # kernels/common.py's: split-K only for decode batches
 MIN_BLOCK_M = 16
 MIN_BLOCK_N2 = 32
 

@@ -118,21 +118,21 @@ def _exercise() -> None:
         fused_experts(x, w, ids, weights, clamped)
         fused_experts(x, w, ids, weights, spec, combine="separate")
         for config in configs.get(scheme, ()):
-            if config.split_k1 == 1:
+            if config.split_k1 == config.split_k2 == 1:
                 fused_experts(x, w, ids, weights, spec, config=config)
         # tuned split-K rows (split 2..8, a constexpr each): a layer with K steps for the largest split
-        split_rows = [c for c in configs.get(scheme, ()) if c.split_k1 > 1]
+        split_rows = [c for c in configs.get(scheme, ()) if c.split_k1 > 1 or c.split_k2 > 1]
         if split_rows:
-            wide = MoESpec.create(hidden_size=tuning.MAX_SPLIT_K * 128, intermediate_size=I, num_experts=E, top_k=K,
-                                  scheme=scheme, max_tokens_per_rank=T)
+            wide = MoESpec.create(hidden_size=tuning.MAX_SPLIT_K * 128, intermediate_size=tuning.MAX_SPLIT_K * 128,
+                                  num_experts=E, top_k=K, scheme=scheme, max_tokens_per_rank=T)
             wide_raw = random_layer(wide, generator=g)
             wide_weights = prepare_stacked(wide, wide_raw.w13, wide_raw.w2, layout="separated")
             wx, ww, wids = random_tokens(wide, T, generator=g)
             for config in split_rows:
                 fused_experts(wx, ww, wids, wide_weights, wide, config=config)
-        if scheme in ("bf16", "fp8"):  # split-K GEMM1 (both launches), as tune may pick it for decode
-            for config in {c for c in configs[scheme] if c.block_m == tuning.MIN_BLOCK_M}:
-                fused_experts(x, w, ids, weights, spec, config=dataclasses.replace(config, split_k1=2))
+        # split-K GEMM1 (both launches) and GEMM2, as tune may pick them for decode
+        for config in {c for c in configs.get(scheme, ()) if c.block_m == tuning.MIN_BLOCK_M}:
+            fused_experts(x, w, ids, weights, spec, config=dataclasses.replace(config, split_k1=2, split_k2=2))
         for wire in ("bf16", "fp8") if spec.scheme.fp8_activations else ("bf16",):
             _exercise_symm(spec, raw, wire, T, g)
     _exercise_served(g)

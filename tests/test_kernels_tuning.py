@@ -11,9 +11,9 @@ from atom_moe.kernels import tuning
 HEADER = ",".join(tuning.COLUMNS)
 
 
-def _row(device, scheme, H, I, E, k, tokens, block_m, us=1.0, n1=128, split=1):
+def _row(device, scheme, H, I, E, k, tokens, block_m, us=1.0, n1=128, split=1, split2=1):
     k1 = 128 if scheme == "fp8" else 64
-    return f"{device},{scheme},{H},{I},{E},{k},{tokens},{block_m},{n1},{k1},4,3,128,{k1},4,3,8,{split},{us}"
+    return f"{device},{scheme},{H},{I},{E},{k},{tokens},{block_m},{n1},{k1},4,3,128,{k1},4,3,8,{split},{split2},{us}"
 
 
 @pytest.fixture(autouse=True)
@@ -79,16 +79,18 @@ def test_bad_tables_and_dirs_are_named(tmp_path, monkeypatch):
 
 
 def test_split_k_column_is_optional(tmp_path, monkeypatch):
-    # tables from before split-K have no split_k1 column: their rows read as 1; newer rows carry it
-    old_header = ",".join(c for c in tuning.COLUMNS if c != "split_k1")
-    old_row = _row("x", "bf16", 512, 256, 16, 4, 1, 16).rsplit(",", 2)
-    (tmp_path / "old.csv").write_text(f"{old_header}\n{old_row[0]},{old_row[2]}\n")
+    # tables from before split-K have no split_k1 / split_k2 columns: their rows read as 1; newer rows carry them
+    old_header = ",".join(c for c in tuning.COLUMNS if c not in ("split_k1", "split_k2"))
+    old_row = _row("x", "bf16", 512, 256, 16, 4, 1, 16).rsplit(",", 3)
+    (tmp_path / "old.csv").write_text(f"{old_header}\n{old_row[0]},{old_row[3]}\n")
     monkeypatch.setenv("ATOM_MOE_CONFIG_DIR", str(tmp_path))
-    assert tuning.lookup("x", "bf16", 512, 256, 16, 4, 1).split_k1 == 1
+    old = tuning.lookup("x", "bf16", 512, 256, 16, 4, 1)
+    assert (old.split_k1, old.split_k2) == (1, 1)
     (tmp_path / "old.csv").unlink()
-    _write(tmp_path / "new.csv", [_row("x", "bf16", 512, 256, 16, 4, 1, 16, split=4)])
+    _write(tmp_path / "new.csv", [_row("x", "bf16", 512, 256, 16, 4, 1, 16, split=4, split2=2)])
     tuning.clear_cache()
-    assert tuning.lookup("x", "bf16", 512, 256, 16, 4, 1).split_k1 == 4
+    new = tuning.lookup("x", "bf16", 512, 256, 16, 4, 1)
+    assert (new.split_k1, new.split_k2) == (4, 2)
 
 
 def test_tuned_row_with_invalid_tiles_is_rejected(tmp_path, monkeypatch):

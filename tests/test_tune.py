@@ -93,19 +93,44 @@ def test_candidates_are_valid_and_include_the_heuristic(scheme, tokens):
 
 
 def test_split_space_sweeps_the_table_row_and_the_heuristic_over_k_splits():
-    """--space split: the H200 table's DeepSeek-V3 decode row and the heuristic, each unsplit and at every split."""
+    """--space split: the H200 table's DeepSeek-V3 decode row and the heuristic, each at every (GEMM1, GEMM2) split."""
     key = tune.Key("NVIDIA H200", "fp8", 7168, 2048, 256, 8, 1)
     table = tuning.lookup(*key.__dict__.values())
     heur = tuning.heuristic("fp8", 7168, 2048, 256, 8, 1)
     assert table != heur  # the table has its own row here: both bases must be swept
     got = tune.triton_candidates(key, "split")
-    want = {replace(c, split_k1=s) for c in (table, heur) for s in (1,) + tune.SPLITS}
+    splits = (1,) + tune.SPLITS
+    want = {replace(c, split_k1=s1, split_k2=s2) for c in (table, heur) for s1 in splits for s2 in splits}
     assert set(got) == want and len(got) == len(want)
     for c in got:
         c.check("fp8")
-    for bad in (replace(key, scheme="a8w4"), replace(key, tokens=32)):  # MXFP4; 256 pairs > SPLIT_MAX_PAIRS
-        with pytest.raises(tune.TuneError, match="--space split"):
-            tune.triton_candidates(bad, "split")
+    mx = tune.triton_candidates(replace(key, scheme="a8w4"), "split")  # MXFP4 splits too
+    assert {(c.split_k1, c.split_k2) for c in mx} == {(s1, s2) for s1 in splits for s2 in splits}
+    for c in mx:
+        c.check("a8w4")
+    with pytest.raises(tune.TuneError, match="--space split"):  # 256 pairs > SPLIT_MAX_PAIRS
+        tune.triton_candidates(replace(key, tokens=32), "split")
+
+
+def test_appending_to_a_table_from_before_split_k2_upgrades_its_header(tmp_path):
+    """A resumed table written without split_k2 gets the column (as 1) before a new row is appended."""
+    first, second = (tune.Result(replace(KEY, tokens=t), cfg(64, 256, 64, 8), 10.0 + t, 20.0, "tuned", "triton")
+                     for t in (8, 16))
+    path = tmp_path / "old.csv"
+    old_cols = [c for c in tune.columns() if c != "split_k2"]
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=old_cols, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerow(first.row())
+    tune.append_row(path, replace(second, config=replace(second.config, split_k2=4)).row())
+    with open(path, newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert tuple(rows[0]) == tune.columns() and None not in rows[1]
+    assert [(r["tokens"], r["split_k2"], r["us"]) for r in rows] == [("8", "1", "18.0"), ("16", "4", "26.0")]
+    bad = tmp_path / "bad.csv"
+    bad.write_text("device,scheme,H,odd\n")
+    with pytest.raises(tune.TuneError, match="do not match"):
+        tune.append_row(bad, first.row())
 
 
 def test_csv_round_trip_through_the_kernels_lookup(tmp_path, monkeypatch):
@@ -149,7 +174,8 @@ def test_trials_csv_holds_every_candidate(tmp_path, monkeypatch):
                     bench_factory=lambda s, T: FakeBench({wrong: 0.5, failing: RuntimeError("boom")}, times))
     with open(trials, newline="") as fh:
         rows = list(csv.DictReader(fh))
-    assert len(rows) == len(cands) and {int(r["split_k1"]) for r in rows} == {1, 2, 4, 8}
+    assert len(rows) == len(cands) and {int(r["split_k1"]) for r in rows} == {int(r["split_k2"]) for r in rows} \
+        == {1, 2, 4, 8}
     by_cfg = {TileConfig(**{c: int(r[c]) for c in tuning.CONFIG_COLUMNS}): r for r in rows}
     assert by_cfg[wrong]["dropped"].startswith("wrong: rel_err 5.000e-01") and by_cfg[wrong]["us"] == ""
     assert by_cfg[failing]["dropped"] == "failed: RuntimeError: boom" and by_cfg[failing]["us"] == ""

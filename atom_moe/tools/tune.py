@@ -105,7 +105,7 @@ class Result:
 TILES = ((64, 64), (64, 128), (128, 64), (128, 128), (256, 64), (256, 128))  # (block_n, block_k)
 LAUNCH = ((4, 3), (4, 4), (8, 3), (8, 4))  # (num_warps, num_stages)
 BLOCK_MS = (16, 32, 64, 128)
-SPLITS = (2, 4, 8)  # GEMM1 K splits tried for decode batches (kernels/gemm1.py: SPLIT_MAX_PAIRS)
+SPLITS = (2, 4, 8)  # K splits tried for decode batches (kernels/common.py: SPLIT_MAX_PAIRS)
 
 
 def triton_candidates(key: Key, space: str = "tied") -> list:
@@ -114,8 +114,8 @@ def triton_candidates(key: Key, space: str = "tied") -> list:
     BLOCK_M: the heuristic's and its neighbours. "tied": GEMM2 uses GEMM1's tile (unless the
     scheme constrains the tiles: then every allowed GEMM2 width with GEMM1's K step) and both
     GEMMs share warps/stages; "full": every GEMM1 tile x GEMM2 tile x launch shape; "split": the
-    configs the op runs today (the table's row for the key and the heuristic), each with GEMM1
-    unsplit and split over K in SPLITS (a short decode sweep).
+    configs the op runs today (the table's row for the key and the heuristic), each with GEMM1 and
+    GEMM2 unsplit or split over K in SPLITS (a short decode sweep). "tied" and "full" split GEMM1 only.
     """
     t = _tuning()
     h = t.heuristic(key.scheme, key.H, key.I, key.E, key.top_k, key.tokens)
@@ -137,20 +137,21 @@ def triton_candidates(key: Key, space: str = "tied") -> list:
                         cfg = t.TileConfig(bm, n1, k1, w1, s1, n2, k2, w2, s2, h.group_m)
                         if _valid(t, *_tiles(cfg), key.scheme):
                             out.append(cfg)
-    # decode: GEMM1 split over K (bf16, fp8), for the smallest row block's configs
-    if key.tokens * key.top_k <= t.SPLIT_MAX_PAIRS and key.scheme not in t.MXFP4:
+    # decode: GEMM1 split over K, for the smallest row block's configs
+    if key.tokens * key.top_k <= t.SPLIT_MAX_PAIRS:
         out += [replace(c, split_k1=s) for c in out if c.block_m == min(bms) for s in SPLITS]
     return list(dict.fromkeys(out))
 
 
 def split_candidates(t, key: Key, heuristic) -> list:
-    """The table's config for the key and the heuristic, each at split_k1 1 and every SPLITS value."""
-    if key.scheme in t.MXFP4 or key.tokens * key.top_k > t.SPLIT_MAX_PAIRS:
-        raise TuneError(f"--space split: GEMM1 splits K for bf16 and fp8 at <= {t.SPLIT_MAX_PAIRS} (token, slot) "
-                        f"pairs; {key.scheme} at {key.tokens} tokens x top_k {key.top_k} has none to sweep")
+    """The table's config for the key and the heuristic, each at every (split_k1, split_k2) in 1 + SPLITS."""
+    if key.tokens * key.top_k > t.SPLIT_MAX_PAIRS:
+        raise TuneError(f"--space split: GEMM1 splits K at <= {t.SPLIT_MAX_PAIRS} (token, slot) pairs; "
+                        f"{key.tokens} tokens x top_k {key.top_k} has none to sweep")
     table = t.lookup(key.device, key.scheme, key.H, key.I, key.E, key.top_k, key.tokens)
-    bases = list(dict.fromkeys(replace(c, split_k1=1) for c in (table, heuristic)))
-    return list(dict.fromkeys(bases + [replace(c, split_k1=s) for c in bases for s in SPLITS]))
+    bases = list(dict.fromkeys(replace(c, split_k1=1, split_k2=1) for c in (table, heuristic)))
+    splits = (1,) + SPLITS
+    return list(dict.fromkeys([replace(c, split_k1=s1, split_k2=s2) for c in bases for s1 in splits for s2 in splits]))
 
 
 def _tiles(cfg) -> tuple:
@@ -374,12 +375,33 @@ def trial_rows(result: Result) -> list[dict]:
 def append_row(path: Path, row: dict, fieldnames: tuple[str, ...] | None = None) -> None:
     """Append one finished row (header first for a new file): a stopped run keeps what it finished."""
     new = not path.exists() or path.stat().st_size == 0
+    fieldnames = list(fieldnames or columns())
+    if not new:
+        upgrade_header(path, fieldnames)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(fieldnames or columns()), extrasaction="ignore")
+        writer = csv.DictWriter(fh, fieldnames=fieldnames, extrasaction="ignore")
         if new:
             writer.writeheader()
         writer.writerow(row)
+
+
+def upgrade_header(path: Path, fieldnames: list[str]) -> None:
+    """Rewrite a table written before an optional column existed (split_k2) under `fieldnames`, the
+    new columns at their defaults, so appended rows line up; any other header mismatch is an error."""
+    with open(path, newline="") as fh:
+        reader = csv.DictReader(fh)
+        header, rows = list(reader.fieldnames or []), list(reader)
+    if header == fieldnames:
+        return
+    missing = [c for c in fieldnames if c not in header]
+    optional = _tuning().OPTIONAL_COLUMNS
+    if [c for c in header if c not in fieldnames] or [c for c in missing if c not in optional]:
+        raise TuneError(f"{path}: its columns {header} do not match this tuner's {fieldnames}; write to a new file")
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fieldnames)
+        writer.writeheader()
+        writer.writerows({**{c: optional[c] for c in missing}, **r} for r in rows)
 
 
 # ---------------------------------------------------------------- timers
