@@ -73,7 +73,7 @@ def signature(kernel: str, scheme: str) -> tuple[object, dict, list[str]]:
            "n_counters": "i32", "out_ptr": "*bf16", "stride_out": "i32", "num_pairs": "i32", "num_experts": "i32",
            "hidden": "i32", "inter": "i32", "n_blocks": "i32", "delta_ptr": "*i64", "info_ptr": "*i32",
            "slots_ptr": "*bf16", "returned_ptr": "*bf16", "capacity": "i32", "rank": "i32", "row_blocks": "i32",
-           "k_blocks": "i32"}
+           "k_blocks": "i32", "k_span": "i32"}
     div = ["a_ptr", "as_ptr", "w_ptr", "ws_ptr", "bias_ptr", "sorted_ptr", "block_expert_ptr", "ids_ptr", "emap_ptr",
            "topk_w_ptr", "partial_ptr", "counters_ptr", "out_ptr", "stride_out", "hidden", "inter"]
     return _gemm2_kernel, sig, div
@@ -88,7 +88,8 @@ def constexprs(kernel: str, scheme: str, block_m: int, block_n: int, block_k: in
                   IGROUP=Scheme(scheme).inter_group, INTERP=False, SCALED=scaled and scheme == "a8w4")
     if kernel == "gemm1":
         return {**common, "OAI": True, "CLAMP": False, "SPLIT": 1, "PHASE": 0}
-    return {**common, "TOPK": top_k, "KP2": triton.next_power_of_2(top_k), "REMOTE": False, "SEPARATE": separate}
+    return {**common, "TOPK": top_k, "KP2": triton.next_power_of_2(top_k), "REMOTE": False, "SEPARATE": separate,
+            "SPLIT": 1}
 
 
 def loop_body(sass: str) -> list[str]:
