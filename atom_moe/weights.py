@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Iterable, Sequence
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,10 @@ from .spec import FP8_BLOCK, MX_BLOCK, MoESpec, Scheme
 
 class WeightError(ValueError):
     """Expert weights that do not match the spec or the expected checkpoint format."""
+
+
+# PreparedWeights' fields with one entry per local expert along dim 0
+PER_EXPERT = ("w13", "w13_scale", "w2", "w2_scale", "w13_bias", "w2_bias", "w13_rowexp", "w2_rowexp")
 
 
 @dataclass
@@ -91,6 +96,23 @@ class PreparedWeights:
                                           for t in (self.w13_scale, self.w2_scale))
         self.mx_flush = bool(self.mx_flush)
         self.validate_expert_map()
+
+    def restricted(self, local: Sequence[int]) -> PreparedWeights:
+        """The same layer holding only the local experts `local` (in that order), e.g. those a batch hits: what
+        a reference needs when dequantizing the whole layer would not fit."""
+        local = [int(j) for j in local]
+
+        def take(t):
+            if isinstance(t, GateUpTensor):
+                return GateUpTensor(t.data[local], t.layout, t.kind)
+            return None if t is None else t[local]
+
+        glob = [self.local_experts[j] for j in local]
+        emap = torch.full((self.num_experts,), -1, dtype=torch.int32)
+        emap[glob] = torch.arange(len(glob), dtype=torch.int32)
+        return dataclasses.replace(
+            self, local_experts=tuple(glob), num_local_experts=len(glob), expert_map=emap.to(self.w2.device),
+            **{name: take(getattr(self, name)) for name in PER_EXPERT})
 
     def validate_expert_map(self) -> None:
         """Raise WeightError unless expert_map maps exactly local_experts[j] -> j (one host sync, at build)."""

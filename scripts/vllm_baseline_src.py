@@ -5,11 +5,13 @@
 
 `pip download vllm==0.33.0 --no-deps` (the CPython 3.12 manylinux wheel, the GPU machine's Python)
 into $ATOM_MOE_CACHE/wheels (default ~/.cache/atom_moe/wheels, reused when present), then unzips
-only what the baseline reads (about 0.3 MB; listed in the folder's SOURCE file):
+only what the baselines read (about 1 MB; listed in the folder's SOURCE file):
 
   vllm/model_executor/layers/fused_moe/fused_moe.py   fused_moe_kernel, its launcher, default config
   vllm/model_executor/layers/fused_moe/utils.py       enable_swap_ab, resolve_moe_use_td
   vllm/model_executor/layers/fused_moe/configs/*device_name=NVIDIA_H200*.json   the tuned tables
+  vllm/third_party/triton_kernels/**.py   the triton_kernels copy vLLM runs for MXFP4 on Hopper
+                                           (scripts/tk_baseline.py: PYTHONPATH=<folder>/vllm/third_party)
   vllm-0.33.0.dist-info/licenses/LICENSE
 
 Nothing of it is committed (.cache/ is in .gitignore). The GPU machine has no network: carry the
@@ -29,12 +31,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 FUSED = "vllm/model_executor/layers/fused_moe/"
 WANTED = (FUSED + "fused_moe.py", FUSED + "utils.py")
+TRITON_KERNELS = "vllm/third_party/triton_kernels/"
 
 
 def wanted(name: str, version: str) -> bool:
     """Is this wheel member one the baseline reads?"""
     if name in WANTED or name == f"vllm-{version}.dist-info/licenses/LICENSE":
         return True
+    if name.startswith(TRITON_KERNELS):
+        return name.endswith(".py")
     return name.startswith(FUSED + "configs/") and "device_name=NVIDIA_H200" in name and name.endswith(".json")
 
 

@@ -61,7 +61,7 @@ def test_tk_baseline_errors_are_clear():
     proc = subprocess.run([sys.executable, script, "--tokens", "0"], capture_output=True, text=True, env=env, cwd=ROOT)
     assert proc.returncode == 2 and "--tokens" in proc.stderr
     proc = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, cwd=ROOT)
-    assert proc.returncode == 2 and "PYTHONPATH=.cache/tk/python" in proc.stderr
+    assert proc.returncode == 2 and "PYTHONPATH=.cache/vllm-0.33.0/vllm/third_party" in proc.stderr
 
 
 # ---------------------------------------------------------------- kernel_sass

@@ -353,3 +353,23 @@ def test_check_against_spec(seed):
     with pytest.raises(LayoutError, match="w13_scale"):
         p.check(spec)
     assert isinstance(p, PreparedWeights) and p.scheme is Scheme.A16W4
+
+
+# ---------------------------------------------------------------- restricted
+@pytest.mark.parametrize("scheme", ["bf16", "fp8", "a16w4", "a8w4"])
+def test_restricted_keeps_exactly_the_chosen_experts(seed, scheme):
+    from atom_moe.tools.common import random_weights
+    from atom_moe.spec import Placement
+    spec = MoESpec.create(hidden_size=128, intermediate_size=64, num_experts=8, top_k=2, scheme=scheme,
+                          placement=Placement.linear(1, 2, 8))
+    weights = random_weights(spec, device="cpu")
+    full = ReferenceWeights.from_prepared(weights)
+    pick = torch.randperm(weights.num_local_experts)[:3].tolist()
+    sub = weights.restricted(pick)
+    assert sub.num_local_experts == 3 and sub.local_experts == tuple(weights.local_experts[j] for j in pick)
+    assert sub.expert_map[list(sub.local_experts)].tolist() == [0, 1, 2]
+    assert int((sub.expert_map >= 0).sum()) == 3
+    ref = ReferenceWeights.from_prepared(sub)
+    assert ref.experts == sub.local_experts
+    for name in ("gate", "up", "down"):
+        assert torch.equal(getattr(ref, name), getattr(full, name)[pick]), name

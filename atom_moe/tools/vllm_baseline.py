@@ -373,17 +373,9 @@ def reference_rows(weights, spec, x: torch.Tensor, topk_weights: torch.Tensor, t
     our fused epilogue, which costs vLLM's fp8 ~2% against a reference quantizing from fp32) and
     GEMM2's weighted output; fp8 activations quantized by vLLM's rule (group_quant_dequant). Only the experts hit are dequantized: all of a large layer would not fit.
     """
-    from ..layouts.gate_up import GateUpLayout, GateUpTensor
     from ..reference import ReferenceWeights
-    hit = torch.unique(topk_ids.long()).tolist()
-    emap = torch.full((spec.num_experts,), -1, dtype=torch.int32)
-    emap[hit] = torch.arange(len(hit), dtype=torch.int32)
-    s13 = weights.w13_scale
-    sub = replace(weights, local_experts=tuple(hit), num_local_experts=len(hit), expert_map=emap.to(weights.w2.device),
-                  w13=GateUpTensor(weights.w13.data[hit], GateUpLayout.INTERLEAVED),
-                  w13_scale=None if s13 is None else GateUpTensor(s13.data[hit], s13.layout, s13.kind),
-                  w2=weights.w2[hit], w2_scale=None if weights.w2_scale is None else weights.w2_scale[hit])
-    ref = ReferenceWeights.from_prepared(sub)
+    hit = weights.expert_map[torch.unique(topk_ids.long())].tolist()  # the local experts hit
+    ref = ReferenceWeights.from_prepared(weights.restricted(hit))
     fp8 = spec.scheme.fp8_activations
 
     def bf16(t: torch.Tensor) -> torch.Tensor:
