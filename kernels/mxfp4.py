@@ -9,10 +9,13 @@ Decode (`tile_bf16`): each word gives 4 bf16x2 registers with shifts and masks o
 2^-126, code 1 = 0.5 on a bf16 subnormal), then one bf16x2 multiply by 2^(s-1) applies the
 e8m0 scale, exactly: e2m1 has 2 significant bits. Scales above 128 (2^(s-1) would overflow
 bf16) take a second multiply; `BIG` (set from the weights' largest scale at preparation)
-switches that in, so real checkpoints pay one multiply. An e8m0 0xFF gives NaN, as in the
-reference. Against the plain-row layout (`scripts/kernel_sass.py`, sm_90a): 4.3-4.9 SASS
-instructions per weight in the GEMMs' K loop instead of 12.6; on an H200 the gpt-oss layer
-got 1.9-3.1x faster at T <= 512 (docs/perf/mxfp4-h200.md).
+switches that in, so real checkpoints pay one multiply. An e8m0 0xFF (above 128, so BIG) gives
+NaN, as in the reference. Without BIG the scale bytes become bf16 factors two at a time (a PRMT
+and a multiply-add per pair; `tile_scale_factors`): 6-11 % fewer K-loop instructions than a
+per-byte extract and NaN select (sm_90a, `scripts/kernel_sass.py`, 2026-12-03). Against the
+plain-row layout (`scripts/kernel_sass.py`, sm_90a): 4.3-4.9 SASS instructions per weight in the
+GEMMs' K loop instead of 12.6 (3.6-4.5 now); on an H200 the gpt-oss layer got 1.9-3.1x faster at
+T <= 512 (docs/perf/mxfp4-h200.md).
 
 a8w4 streams its own layout, MX quads (atom_moe/layouts/mx_quads.py): each word holds one row's
 codes for two e4m3 mma A-fragment registers (k-quads), and `tile_e4m3` turns it into them
@@ -136,6 +139,25 @@ def tile_scales(swords, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def tile_scale_factors(swords, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERP: tl.constexpr):
+    """Scale words [NB, KB, 8], every byte <= 128 -> 2^(s-1) as bf16 [BLOCK_N, BLOCK_K / 32] (fp32 holding the
+    bf16 bits when interpreting): one byte permute puts two scale bytes in a register's halves, one
+    multiply-add makes them bf16 exponents (s + 126) << 7."""
+    w = swords.to(tl.uint32, bitcast=True)
+    if PRMT_OK and not INTERP:  # selector 4: a byte of the zero operand
+        lo = tl.inline_asm_elementwise("prmt.b32 $0, $1, 0, 0x4140;", "=r,r", [w], dtype=tl.uint32, is_pure=True,
+                                       pack=1)
+        hi = tl.inline_asm_elementwise("prmt.b32 $0, $1, 0, 0x4342;", "=r,r", [w], dtype=tl.uint32, is_pure=True,
+                                       pack=1)
+    else:
+        lo = (w & 0xFF) | ((w << 8) & 0xFF0000)
+        hi = ((w >> 16) & 0xFF) | ((w >> 8) & 0xFF0000)
+    # bytes 2h + jg: lo holds h = 0 (jg = 0 in its low half, 1 in its high half), hi holds h = 1
+    f = _halves(tl.join(lo * 128 + 0x3F003F00, hi * 128 + 0x3F003F00), INTERP)  # [NB, KB, g, h, jg]
+    return tl.reshape(tl.permute(f, (0, 3, 2, 1, 4)), (BLOCK_N, BLOCK_K // 32))
+
+
+@triton.jit
 def tile_bf16(words, swords, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BIG: tl.constexpr, INTERP: tl.constexpr):
     """Dequantized bf16 tile [BLOCK_N, BLOCK_K] (rows n, columns k), bit-exact."""
     NB: tl.constexpr = BLOCK_N // 16
@@ -148,15 +170,15 @@ def tile_bf16(words, swords, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BIG: 
     v = _halves(tl.join(tl.join(o0, o2), tl.join(o1, o3)), INTERP)  # [NB, KB, lane, j, c, h, e]
     v = tl.reshape(v, (NB, KB, 8, 4, 4, 2, 2, 2))  # nb kb g q j c h e
     v = tl.reshape(tl.permute(v, (0, 6, 2, 1, 4, 5, 3, 7)), (BLOCK_N, BLOCK_K // 32, 32))  # nb h g | kb j c q e
-    s = tile_scales(swords, BLOCK_N, BLOCK_K)
-    if BIG:  # 2^(s-1) overflows bf16 above 128: 2^(s-128) * 2^127 there
+    if BIG:  # 2^(s-1) overflows bf16 above 128: 2^(s-128) * 2^127 there; an e8m0 0xFF is NaN
+        s = tile_scales(swords, BLOCK_N, BLOCK_K)
         e = tl.where(s > 128, s - 1, s + 126)
-    else:
-        e = s + 126
-    if INTERP:
-        f = tl.where(s == 255, float("nan"), ((e.to(tl.uint32) << 23).to(tl.float32, bitcast=True)))
-    else:
-        f = tl.where(s == 255, 0x7FC0, e << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        if INTERP:
+            f = tl.where(s == 255, float("nan"), ((e.to(tl.uint32) << 23).to(tl.float32, bitcast=True)))
+        else:
+            f = tl.where(s == 255, 0x7FC0, e << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:  # every scale <= 128, so none is 0xFF
+        f = tile_scale_factors(swords, BLOCK_N, BLOCK_K, INTERP)
     out = v * f[:, :, None]
     if BIG:
         out = out * tl.where(s > 128, 1.7014118346046923e38, 1.0)[:, :, None]  # 2^127 where s > 128
