@@ -176,6 +176,11 @@ def engine_env_python(script: str, *args: str) -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
+def all_engine_cases() -> bool:
+    """ATOM_MOE_ENGINE_ALL_CASES=1 (or the older ATOM_MOE_VLLM_ALL_CASES=1): run every engine case, not CI's subset."""
+    return "1" in (os.environ.get("ATOM_MOE_ENGINE_ALL_CASES"), os.environ.get("ATOM_MOE_VLLM_ALL_CASES"))
+
+
 def run_engine_suite(python: str, cases: str, label: str, min_passed: int, select: str | None = None,
                      **env_vars: str) -> None:
     """Run tests/<cases> under `python` with ATOM_USE_FLYDSL=1; every case must pass, none skipped.
@@ -187,7 +192,7 @@ def run_engine_suite(python: str, cases: str, label: str, min_passed: int, selec
     env.pop("TRITON_INTERPRET", None)  # the engines' CPU path is experts_torch; cases that need it set it
     # -P: keep the checkout root off sys.path, so a stale in-tree *.egg-info cannot hide our entry point
     proc = subprocess.run([python, "-P", "-m", "pytest", f"tests/{cases}", "-q", "-p", "no:cacheprovider",
-                           "-o", "addopts=", "-rfEs"] + (["-k", select] if select else []),
+                           "-o", "addopts=", "-rfEs", "--durations=12"] + (["-k", select] if select else []),
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=3300)
     out = proc.stdout + proc.stderr
     print(out[-6000:])
