@@ -32,8 +32,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Iterable, Sequence
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -101,6 +100,11 @@ class PreparedWeights:
         """The same layer holding only the local experts `local` (in that order), e.g. those a batch hits: what
         a reference needs when dequantizing the whole layer would not fit."""
         local = [int(j) for j in local]
+        bad = [j for j in local if not 0 <= j < self.num_local_experts]
+        if bad or len(set(local)) != len(local):
+            what = f"indices {bad} out of range" if bad else "repeated indices"
+            raise WeightError(f"restricted({local}): {what}; allowed: distinct local expert indices in "
+                              f"[0, {self.num_local_experts})")
 
         def take(t):
             if isinstance(t, GateUpTensor):
@@ -110,7 +114,7 @@ class PreparedWeights:
         glob = [self.local_experts[j] for j in local]
         emap = torch.full((self.num_experts,), -1, dtype=torch.int32)
         emap[glob] = torch.arange(len(glob), dtype=torch.int32)
-        return dataclasses.replace(
+        return replace(
             self, local_experts=tuple(glob), num_local_experts=len(glob), expert_map=emap.to(self.w2.device),
             **{name: take(getattr(self, name)) for name in PER_EXPERT})
 

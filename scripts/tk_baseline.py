@@ -14,7 +14,7 @@ Either is the Hopper path vLLM uses for gpt-oss: bf16 activations, MXFP4 weights
 triton_kernels' Hopper layouts, two matmul_ogs calls with routing (gather plus fused SwiGLU-OAI,
 then scatter plus top-k combine), called the way vLLM's gpt_oss_triton_kernels_moe.py does for
 that API. The 3.5.1 routing kernels need a power-of-two top-k (vLLM patches them for
-DeepSeek-V4's 6; this script does not): other top-k values stop with a clear error there.
+DeepSeek-V4's 6; this script does not): shapes with another top-k print "not run" and are skipped.
 
 Per (shape, T): the same random MXFP4 bytes as atom_moe's bench (common.random_weights), the
 same routing generator (common.make_routing), the same timer (common.Timer: CUDA-graph replay,

@@ -373,3 +373,7 @@ def test_restricted_keeps_exactly_the_chosen_experts(seed, scheme):
     assert ref.experts == sub.local_experts
     for name in ("gate", "up", "down"):
         assert torch.equal(getattr(ref, name), getattr(full, name)[pick]), name
+    # an id the map marks as not local (-1) must not wrap around to the last expert
+    for bad, why in (([0, -1], "out of range"), ([weights.num_local_experts], "out of range"), ([1, 1], "repeated")):
+        with pytest.raises(WeightError, match=why):
+            weights.restricted(bad)
