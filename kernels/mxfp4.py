@@ -14,8 +14,10 @@ NaN, as in the reference. Without BIG the scale bytes become bf16 factors two at
 and a multiply-add per pair; `tile_scale_factors`): 6-11 % fewer K-loop instructions than a
 per-byte extract and NaN select (sm_90a, `scripts/kernel_sass.py`, 2026-12-03). Against the
 plain-row layout (`scripts/kernel_sass.py`, sm_90a): 4.3-4.9 SASS instructions per weight in the
-GEMMs' K loop instead of 12.6 (3.6-4.5 now); on an H200 the gpt-oss layer got 1.9-3.1x faster at
-T <= 512 (docs/perf/mxfp4-h200.md).
+GEMMs' K loop instead of 12.6; on an H200 the gpt-oss layer got 1.9-3.1x faster at T <= 512
+(docs/perf/mxfp4-h200.md). On NVIDIA the bf16 halves of a word are split by one opaque PTX move
+(`_halves`), which keeps LLVM from swapping halves around the scale multiply: 3.2-4.0 per weight
+now, 5-9 % faster layers (docs/perf/a16w4-halves-h200.md).
 
 a8w4 streams its own layout, MX quads (atom_moe/layouts/mx_quads.py): each word holds one row's
 codes for two e4m3 mma A-fragment registers (k-quads), and `tile_e4m3` turns it into them
@@ -123,6 +125,12 @@ def _halves(o, INTERP: tl.constexpr):
     """uint32 bf16x2 -> [..., 2] (low, high) as bf16, or as fp32 with the same bits when interpreting."""
     if INTERP:
         pair = tl.join((o << 16).to(tl.float32, bitcast=True), (o & 0xFFFF0000).to(tl.float32, bitcast=True))
+    elif PRMT_OK:  # PTX: an opaque split. From a mask and a shift LLVM re-derives each half through the
+        # decode's shifts (for the three-part fourth output too) and then repacks the bf16 pairs for the
+        # scale multiply and the mma with a half-swap PRMT before and after: 10-12 % of the K loop on sm_90a
+        lo, hi = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [o], dtype=(tl.uint16, tl.uint16),
+                                           is_pure=True, pack=1)
+        pair = tl.join(lo.to(tl.bfloat16, bitcast=True), hi.to(tl.bfloat16, bitcast=True))
     else:
         pair = tl.join((o & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True),
                        (o >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True))

@@ -141,6 +141,9 @@ def compile_sass(args: argparse.Namespace) -> tuple[dict, str]:
         # shared stores in the loop: a decoded weight tile restaged for the mma would show here
         "shared_stores": sum(v for k, v in mix.items() if k.startswith("STS")),
         "wgmma": sorted({k.split(".")[0] for k in mix if k.startswith(("HGMMA", "QGMMA"))}),
+        # byte permutes: the MX decodes' own (scale pairs, a8w4's lookups) plus any repacking LLVM adds
+        "byte_permutes": mix["PRMT"],
+        "weight_words": weights_per_thread / 8,  # int32 words of MX codes per thread and K step
         "mix": mix.most_common(args.top),
     }
     return report, sass

@@ -93,6 +93,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--diagnose", action="store_true",
                    help="check routing, GEMM1, GEMM1+gather+SwiGLU, GEMM2+scatter and the layer at a small "
                         "shape for every layout, then exit (0 only if --layout passes all)")
+    p.add_argument("--profile", action="store_true",
+                   help="for Nsight Compute (scripts/ncu_profile.sh --tk): no timing, no CSV; per (shape, T) run each "
+                        "implementation eagerly twice, then once inside cudaProfilerStart/Stop and an NVTX range "
+                        "SHAPE/a16w4/T<T>/<impl>")
     args = p.parse_args(argv)
     if any(t < 1 for t in args.tokens):
         p.error(f"--tokens must be positive integers, got {args.tokens}")
@@ -474,6 +478,20 @@ def sorted_routing(T: int, spec: MoESpec, mode: str, gen) -> tuple[torch.Tensor,
     return w.gather(1, order), ids
 
 
+def profiled(name: str, fn) -> None:
+    """Run fn twice (compile, warm-up), then once inside the profiler range and an NVTX range `name`."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    torch.cuda.nvtx.range_push(name)
+    fn()
+    torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    print(f"profiled {name}", flush=True)
+
+
 def record_opt_flags(tk_module) -> list:
     """Record the tile choices matmul_ogs makes (observes make_opt_flags; changes nothing)."""
     seen: list = []
@@ -550,6 +568,13 @@ def main(argv: list[str] | None = None) -> None:
                       f"frac {floor_us / us:5.3f}  {nbytes / us / 1e6:5.2f} TB/s  {config}", flush=True)
 
             inp = tk.inputs(w, ids, x, args.topk_select)
+            if args.profile:
+                profiled(f"{name}/a16w4/T{T}/{impl}", lambda: tk.forward(**inp))
+                if args.ours:
+                    out = torch.empty_like(x)
+                    profiled(f"{name}/a16w4/T{T}/atom_moe",
+                             lambda: fused_experts(x, w, ids, weights, spec, workspace=ws, out=out))
+                continue
             seen_flags.clear()
             tk.forward(**inp)  # eager once: records the tile choices (the timer warms up again itself)
             config = flags_str(seen_flags[:2])
@@ -561,6 +586,8 @@ def main(argv: list[str] | None = None) -> None:
                     "same inputs as the triton_kernels row; swiglu_oai")
         weights = tk = ws = None  # free this shape's weights before the next one is built
         torch.cuda.empty_cache()
+    if args.profile:
+        return
     args.csv.parent.mkdir(parents=True, exist_ok=True)
     with open(args.csv, "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(bench.CSV_COLUMNS))

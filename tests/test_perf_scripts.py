@@ -90,6 +90,9 @@ def test_kernel_sass_counts_the_k_loop(kernel, scheme, bm, bn, bk, tmp_path):
     assert 0 < report["plain_loads"] <= bm if scheme == "a8w4" else report["plain_loads"] == 0, report
     limit = {"a16w4": 6.0, "a8w4": 6.0}.get(scheme, 3.0)
     assert 0.5 < report["per_weight"] < limit, report
+    if scheme == "a16w4":  # the decoded bf16 pairs feed the mma as they are: only the scale pairs are
+        # permuted (kernels/mxfp4.py `_halves`; a half-swap pair per word of codes before it, 3 PRMT / word)
+        assert report["byte_permutes"] <= report["weight_words"], report
     assert mma in out.read_text()
 
 
@@ -268,3 +271,20 @@ def test_ep_instances_bench_reports_no_time_for_a_wrong_op(tmp_path, monkeypatch
     out = tmp_path / "inst.csv"
     assert ep_instances_bench.main([*INSTANCES_ARGS[:7], "1", *INSTANCES_ARGS[9:], "--out", str(out)]) == 1
     assert list(csv.DictReader(open(out))) == []
+
+
+# ---------------------------------------------------------------- ncu_summary
+def test_ncu_summary_names_each_launch_by_its_nvtx_case():
+    # ncu_layer.py names a case SHAPE/SCHEME/T<T>; tk_baseline.py --profile adds /<impl>, which must survive
+    # (triton_kernels' and our launches of the same case are told apart by it)
+    import ncu_summary
+    rows = [{"Kernel Name": "_matmul_ogs_NNT_bf16xbf16xmxfp4_16x256x128x1(int)", "gpu__time_duration.sum": "2000",
+             "dram__bytes_read.sum": "6000000", "smsp__inst_executed.sum": "1000", "launch__registers_per_thread": "128",
+             "NVTX": "deepseek-v3/a16w4/T8/triton_kernels"},
+            {"Kernel Name": "_gemm1_kernel(int)", "gpu__time_duration.sum": "1000", "NVTX": "glm-4.5/a8w4/T128"},
+            {"Kernel Name": ""}]
+    out = ncu_summary.summarise(rows)
+    assert [r["case"] for r in out] == ["deepseek-v3/a16w4/T8/triton_kernels", "glm-4.5/a8w4/T128"]
+    assert [r["kernel"] for r in out] == ["matmul_ogs_NNT_bf16xbf16xmxfp4_16x256x128x1", "gemm1"]
+    assert out[0]["us"] == 2.0 and out[0]["read_TBps"] == 3.0 and out[0]["regs"] == 128
+    assert out[0]["inst_per_byte"] == round(1000 * 32 / 6e6, 2) and out[1]["read_TBps"] == 0
