@@ -3,12 +3,13 @@
 # shape by shape (scripts/tk_baseline.py --ours), after its --diagnose report. Each shape checks its layer
 # against the fp32 reference before timing; where vLLM's Hopper-swizzled layout fails that, the plain one runs.
 # Needs .cache/vllm-0.33.0 (python3 scripts/vllm_baseline_src.py; carry it to the GPU machine).
-# Usage: bash scripts/device_tk.sh [ROUTING] [SHAPE...]   (default: uniform, the pow2 top-k presets)
+# Usage: bash scripts/device_tk.sh [ROUTING] [SHAPE...]   (default: uniform, the five presets and the four served
+# shapes; at GLM-5.2's top-k 9 and V4.1's 6 triton_kernels' routing metadata is built before timing: see tk_baseline.py)
 set -uo pipefail
 out=${OUT:-/tmp/atom_moe_out}
 routing=${1:-uniform}
 shift || true
-shapes=("${@:-gpt-oss-120b deepseek-v3 kimi-k2 qwen3-235b-a22b glm-4.5}")
+shapes=("${@:-gpt-oss-120b deepseek-v3 kimi-k2 qwen3-235b-a22b glm-4.5 glm-5.2-tp8 glm-5.2-tp4 deepseek-v4.1-flash-tp4 deepseek-v4.1-flash-tp2}")
 read -ra shapes <<<"${shapes[*]}"
 mkdir -p "$out/tk"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/.cache/vllm-0.33.0/vllm/third_party

@@ -25,6 +25,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -48,11 +49,15 @@ def download(version: str, cache: Path) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     found = sorted(cache.glob(f"vllm-{version}-*.whl"))
     if not found:
-        cmd = [sys.executable, "-m", "pip", "download", f"vllm=={version}", "--no-deps", "--only-binary=:all:",
-               "--python-version", "3.12", "--platform", "manylinux_2_28_x86_64", "-d", str(cache)]
-        print("running:", " ".join(cmd), file=sys.stderr, flush=True)
-        if subprocess.run(cmd, stdout=sys.stderr).returncode != 0:
-            raise SystemExit(f"vllm_baseline_src: pip download vllm=={version} failed (is PyPI reachable?)")
+        # into a private folder, then renamed: a concurrent run (two test workers) never sees a partial wheel
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            cmd = [sys.executable, "-m", "pip", "download", f"vllm=={version}", "--no-deps", "--only-binary=:all:",
+                   "--python-version", "3.12", "--platform", "manylinux_2_28_x86_64", "-d", tmp]
+            print("running:", " ".join(cmd), file=sys.stderr, flush=True)
+            if subprocess.run(cmd, stdout=sys.stderr).returncode != 0:
+                raise SystemExit(f"vllm_baseline_src: pip download vllm=={version} failed (is PyPI reachable?)")
+            for whl in Path(tmp).glob(f"vllm-{version}-*.whl"):
+                os.replace(whl, cache / whl.name)
         found = sorted(cache.glob(f"vllm-{version}-*.whl"))
     if not found:
         raise SystemExit(f"vllm_baseline_src: no vllm-{version} wheel in {cache} after pip download")
@@ -60,7 +65,8 @@ def download(version: str, cache: Path) -> Path:
 
 
 def extract(wheel: Path, version: str, dest: Path) -> list[str]:
-    """Unzip the wanted members into dest (replacing what is there); returns their names."""
+    """Unzip the wanted members into dest (replacing what is there); returns their names. Each file is written
+    beside its target and renamed onto it, so a concurrent reader sees the old or the new file, never half."""
     with zipfile.ZipFile(wheel) as z:
         names = sorted(n for n in z.namelist() if wanted(n, version))
         missing = [n for n in WANTED if n not in names]
@@ -69,7 +75,10 @@ def extract(wheel: Path, version: str, dest: Path) -> list[str]:
         for n in names:
             target = dest / n
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(z.read(n))
+            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(z.read(n))
+            os.replace(tmp, target)
     return names
 
 

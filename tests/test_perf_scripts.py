@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -288,3 +289,44 @@ def test_ncu_summary_names_each_launch_by_its_nvtx_case():
     assert [r["kernel"] for r in out] == ["matmul_ogs_NNT_bf16xbf16xmxfp4_16x256x128x1", "gemm1"]
     assert out[0]["us"] == 2.0 and out[0]["read_TBps"] == 3.0 and out[0]["regs"] == 128
     assert out[0]["inst_per_byte"] == round(1000 * 32 / 6e6, 2) and out[1]["read_TBps"] == 0
+
+
+# ---------------------------------------------------------------- tk_baseline routing at any top-k
+@pytest.fixture(scope="module")
+def vllm_third_party() -> Path:
+    """vLLM 0.33's vendored triton_kernels (scripts/vllm_baseline_src.py fetches it when absent)."""
+    src = Path(os.environ.get("ATOM_MOE_VLLM_SRC", ROOT / ".cache" / "vllm-0.33.0"))
+    if not (src / "vllm" / "third_party" / "triton_kernels" / "routing.py").is_file():
+        run = subprocess.run([sys.executable, str(ROOT / "scripts" / "vllm_baseline_src.py"), "--dest", str(src)],
+                             capture_output=True, text=True, timeout=900)
+        if run.returncode != 0:
+            pytest.skip(f"vLLM 0.33.0's triton_kernels is not at {src} and scripts/vllm_baseline_src.py could not "
+                        f"fetch it (no PyPI here?): {(run.stderr.strip().splitlines() or [''])[-1]}")
+    return src / "vllm" / "third_party"
+
+
+@pytest.mark.parametrize("T,E,k", [(5, 384, 6), (7, 257, 9), (3, 16, 9)])
+def test_tk_routing_any_topk_matches_the_ids(vllm_third_party, monkeypatch, T, E, k):
+    # GLM-5.2's 9 and V4.1's 6 are not powers of two: 3.5.1's routing kernels refuse them, so tk_baseline
+    # builds the metadata in torch; it must route exactly the ids, with topk's gates, and tile every expert
+    monkeypatch.syspath_prepend(str(vllm_third_party))
+    import tk_baseline
+    tk_baseline.import_tk()
+    assert tk_baseline.API["version"] == "3.5.1" and not tk_baseline.kernel_routing(k)
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).sort(1).values
+    w = torch.rand(T, k, generator=gen) + 0.1
+    w = w / w.sum(1, keepdim=True)
+    logits = tk_baseline.router_logits(w, ids, E)
+    rdata, gather, scatter, sparse = tk_baseline.tk_routing(logits, ids.int(), k, E)
+    slots = tk_baseline.routed_slots(rdata, gather, sparse, T, k, E)
+    assert tk_baseline.routing_error(slots, ids, E) is None
+    torch.testing.assert_close(slots.vals.float(), w, atol=1e-2, rtol=1e-2)  # bf16 logits of log(w)
+    assert torch.equal(scatter.src_indx, gather.dst_indx) and torch.equal(scatter.dst_indx, gather.src_indx)
+    hist = torch.bincount(ids.reshape(-1), minlength=E)
+    assert torch.equal(rdata.expt_data.token_offs_raw.long(), torch.cat([torch.zeros(1), hist.cumsum(0)]).long())
+    for block_m, pid_map in rdata.expt_data.block_pid_map.items():  # tile (b << 16) + e for each block b of e
+        want = sorted((b << 16) + e for e in range(E) for b in range(-(-int(hist[e]) // block_m)))
+        assert sorted(int(v) for v in pid_map if v >= 0) == want
+    with pytest.raises(ValueError, match="cannot select experts"):
+        tk_baseline.tk_routing(logits, None, k, E)
