@@ -5,7 +5,8 @@
 # `atom-moe tune` appends each finished key, so a call stopped by the budget loses only the key it was on;
 # run it again with the same table to go on. The table and the logs are copied to $OUT after each preset.
 # Usage: bash scripts/tune_served.sh [TABLE] [SECONDS]   (default .cache/served/tuned-served.csv, 540 s)
-# SCHEMES="fp8 bf16" tunes those schemes instead of the MXFP4 passes; TOKENS="512 2048" limits the buckets.
+# SCHEMES="fp8 bf16" tunes those schemes instead of the MXFP4 passes; TOKENS="512 2048" limits the buckets;
+# MODELS="kimi-k2 glm-4.5" tunes those presets instead of the served ones (with SCHEMES, e.g. SCHEMES=a16w4).
 set -uo pipefail
 table=${1:-.cache/served/tuned-served.csv}
 budget=${2:-540}
@@ -18,7 +19,7 @@ end=$((SECONDS + budget))
 tokens=()
 [ -n "${TOKENS:-}" ] && read -ra tokens <<<"--tokens $TOKENS"
 for pass in ${SCHEMES:-own other}; do
-  for model in glm-5.2-tp8 glm-5.2-tp4 deepseek-v4.1-flash-tp4 deepseek-v4.1-flash-tp2; do
+  for model in ${MODELS:-glm-5.2-tp8 glm-5.2-tp4 deepseek-v4.1-flash-tp4 deepseek-v4.1-flash-tp2}; do
     case "$model/$pass" in
       glm*/own|deepseek*/other) scheme=a16w4 ;;
       */own|*/other) scheme=a8w4 ;;
