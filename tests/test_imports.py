@@ -126,3 +126,21 @@ def test_relative_and_lazy_imports_are_edges(tmp_path):
     known = {"atom_moe", "atom_moe.a", "atom_moe.sub", "atom_moe.sub.b", "atom_moe.c"}
     assert imports_of("atom_moe.a", pkg / "a.py", known) == {"atom_moe.sub.b"}
     assert imports_of("atom_moe.sub.b", pkg / "sub" / "b.py", known) == {"atom_moe.a"}
+
+
+def test_the_checkout_never_shadows_pypi_kernels(tmp_path):
+    # Python started in the checkout's root has the root on sys.path, ahead of site-packages: `import kernels`
+    # (transformers >= 5.25 and SGLang import PyPI's package of that name) must still get that package,
+    # never this folder, and fail as a missing module where there is none.
+    import subprocess
+    import sys
+    fake = tmp_path / "site" / "kernels"  # stands in for PyPI's `kernels`, behind the root on sys.path
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("CUDAProperties = 'pypi'\n")
+    code = "import kernels; print(kernels.CUDAProperties, kernels.__file__)"
+    run = subprocess.run([sys.executable, "-S", "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                         env={"PYTHONPATH": str(tmp_path / "site"), "PATH": "/usr/bin:/bin"})
+    assert run.returncode == 0 and run.stdout.startswith(f"pypi {fake / '__init__.py'}"), run.stdout + run.stderr
+    run = subprocess.run([sys.executable, "-S", "-c", "import kernels"], cwd=REPO, capture_output=True, text=True,
+                         timeout=60, env={"PATH": "/usr/bin:/bin"})
+    assert run.returncode != 0 and "ModuleNotFoundError: No module named 'kernels'" in run.stderr, run.stderr
