@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,3 +36,20 @@ def seed() -> int:
     torch.manual_seed(value)
     print(f"seed={value}")
     return value
+
+
+@pytest.fixture(scope="session")
+def vllm_src() -> Path:
+    """vLLM 0.33.0's sources for the baselines (fused_moe and the vendored triton_kernels), fetched once when absent:
+    ATOM_MOE_VLLM_SRC, else .cache/vllm-0.33.0 of this checkout (scripts/vllm_baseline_src.py; the wheel is cached
+    in $ATOM_MOE_CACHE/wheels). The tests that need them skip, saying so, only when that fetch fails (no PyPI)."""
+    root = Path(__file__).resolve().parents[1]
+    src = Path(os.environ.get("ATOM_MOE_VLLM_SRC", root / ".cache" / "vllm-0.33.0"))
+    wanted = ("vllm/model_executor/layers/fused_moe/fused_moe.py", "vllm/third_party/triton_kernels/routing.py")
+    if not all((src / w).is_file() for w in wanted):
+        run = subprocess.run([sys.executable, str(root / "scripts" / "vllm_baseline_src.py"), "--dest", str(src)],
+                             capture_output=True, text=True, timeout=900)
+        if run.returncode != 0:
+            pytest.skip(f"vLLM 0.33.0 sources are not at {src} and scripts/vllm_baseline_src.py could not fetch "
+                        f"them (no PyPI here?): {(run.stderr.strip().splitlines() or [''])[-1]}")
+    return src

@@ -292,24 +292,11 @@ def test_ncu_summary_names_each_launch_by_its_nvtx_case():
 
 
 # ---------------------------------------------------------------- tk_baseline routing at any top-k
-@pytest.fixture(scope="module")
-def vllm_third_party() -> Path:
-    """vLLM 0.33's vendored triton_kernels (scripts/vllm_baseline_src.py fetches it when absent)."""
-    src = Path(os.environ.get("ATOM_MOE_VLLM_SRC", ROOT / ".cache" / "vllm-0.33.0"))
-    if not (src / "vllm" / "third_party" / "triton_kernels" / "routing.py").is_file():
-        run = subprocess.run([sys.executable, str(ROOT / "scripts" / "vllm_baseline_src.py"), "--dest", str(src)],
-                             capture_output=True, text=True, timeout=900)
-        if run.returncode != 0:
-            pytest.skip(f"vLLM 0.33.0's triton_kernels is not at {src} and scripts/vllm_baseline_src.py could not "
-                        f"fetch it (no PyPI here?): {(run.stderr.strip().splitlines() or [''])[-1]}")
-    return src / "vllm" / "third_party"
-
-
 @pytest.mark.parametrize("T,E,k", [(5, 384, 6), (7, 257, 9), (3, 16, 9)])
-def test_tk_routing_any_topk_matches_the_ids(vllm_third_party, monkeypatch, T, E, k):
+def test_tk_routing_any_topk_matches_the_ids(vllm_src, monkeypatch, T, E, k):
     # GLM-5.2's 9 and V4.1's 6 are not powers of two: 3.5.1's routing kernels refuse them, so tk_baseline
     # builds the metadata in torch; it must route exactly the ids, with topk's gates, and tile every expert
-    monkeypatch.syspath_prepend(str(vllm_third_party))
+    monkeypatch.syspath_prepend(str(vllm_src / "vllm" / "third_party"))
     import tk_baseline
     tk_baseline.import_tk()
     assert tk_baseline.API["version"] == "3.5.1" and not tk_baseline.kernel_routing(k)

@@ -2,16 +2,12 @@
 CUDA helpers against plain torch, and vLLM's own fused_moe_kernel, loaded from the wheel's sources,
 against the fp32 reference (Triton's interpreter on a CPU).
 
-The sources come from scripts/vllm_baseline_src.py: ATOM_MOE_VLLM_SRC, else .cache/vllm-0.33.0 of
-this checkout, fetched (pip download, wheel cached in $ATOM_MOE_CACHE/wheels) when absent; the
-tests that need them skip, saying so, only when that fetch fails (no PyPI).
+The sources come from conftest.py's `vllm_src` fixture (scripts/vllm_baseline_src.py); the tests that
+need them skip, saying so, only when that fetch fails (no PyPI).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,19 +24,6 @@ from kernel_cases import make_layer, make_routing
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture(scope="module")
-def vllm_src() -> Path:
-    """The vLLM source folder, fetched once when absent."""
-    src = Path(os.environ.get("ATOM_MOE_VLLM_SRC", ROOT / ".cache" / "vllm-0.33.0"))
-    if not (src / vb.FUSED_MOE / "fused_moe.py").is_file():
-        run = subprocess.run([sys.executable, str(ROOT / "scripts" / "vllm_baseline_src.py"), "--dest", str(src)],
-                             capture_output=True, text=True, timeout=900)
-        if run.returncode != 0:
-            pytest.skip(f"vLLM 0.33.0 sources are not at {src} and scripts/vllm_baseline_src.py could not fetch "
-                        f"them (no PyPI here?): {(run.stderr.strip().splitlines() or [''])[-1]}")
-    return src
 
 
 @pytest.fixture
