@@ -95,7 +95,13 @@ def k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_ptrs, n_ok, w_off,
         # an empty last split-K slice starts past K: its first scale is not read
         first = (tl.zeros([BLOCK_M], tl.int32) + k_lo) < K
         a_s_next = tl.load(as_ptrs + k_lo // AGROUP, mask=row_ok & first, other=0.0)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    k_end = k_hi
+    if W4:  # at least one step (an empty split-K slice loads only masked zeros): with a path that skips the
+        # loop, its zeroed accumulator sat inside the wgmma pipeline and ptxas serialized every wgmma at the
+        # 128 x 128 tiles (C7515, scripts/kernel_sass.py). bf16 and fp8 never were (200 tiles compiled), and
+        # fp8 reads its scales unmasked along K: they keep the plain bound
+        k_end = tl.maximum(k_hi, k_lo + BLOCK_K)
+    for k0 in range(k_lo, k_end, BLOCK_K):
         k_ok = (k0 + kk) < K
         if W4:
             a = tl.load(a_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)

@@ -143,6 +143,9 @@ def compile_sass(args: argparse.Namespace) -> tuple[dict, str]:
         "wgmma": sorted({k.split(".")[0] for k in mix if k.startswith(("HGMMA", "QGMMA"))}),
         # byte permutes: the MX decodes' own (scale pairs, a8w4's lookups) plus any repacking LLVM adds
         "byte_permutes": mix["PRMT"],
+        # ptxas C7515: it waits for every wgmma before the next (a non-wgmma write to their registers, e.g. an
+        # accumulator zeroed on a path that skips the K loop, inside the pipeline); the mma latency is then exposed
+        "wgmma_serialized": "C7515" in info,
         "weight_words": weights_per_thread / 8,  # int32 words of MX codes per thread and K step
         "mix": mix.most_common(args.top),
     }
@@ -175,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
           f"s{args.stages}: {report['registers']} registers, {report['stack_bytes']} B stack; K loop "
           f"{report['loop_instructions']} instructions = {report['per_weight']:.2f} per weight; loads in the loop: "
           f"{report['pipelined_loads']} cp.async, {report['plain_loads']} plain, {report['shared_stores']} shared "
-          f"stores; wgmma: {', '.join(report['wgmma']) or 'none'}")
+          f"stores; wgmma: {', '.join(report['wgmma']) or 'none'}{' (serialized by ptxas)' * report['wgmma_serialized']}")
     print("  " + ", ".join(f"{name} {n}" for name, n in report["mix"]))
     return 0
 
