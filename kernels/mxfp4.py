@@ -58,9 +58,11 @@ from .common import cast, dot, interpreting
 NVIDIA = torch.version.hip is None  # PRMT is PTX: NVIDIA only
 MASK = tl.constexpr(mx_tiles.MASK)
 PRMT_OK = tl.constexpr(NVIDIA)
-OUT3_R8 = tl.constexpr(mx_tiles.OUT3_MASKS[-8])
-OUT3_R3 = tl.constexpr(mx_tiles.OUT3_MASKS[-3])
-OUT3_L2 = tl.constexpr(mx_tiles.OUT3_MASKS[2])
+OUT3_SHL = tl.constexpr(mx_tiles.OUT3_SHL)
+OUT3_SHR = tl.constexpr(mx_tiles.OUT3_SHR)
+# tile_bf16 writes out mx_tiles.PIECES: w, w << 6, rotl(w, 12), (w << 2 | w >> 6) under masks
+assert mx_tiles.PIECES == (((0, mx_tiles.MASK),), ((6, mx_tiles.MASK),), ((12, mx_tiles.MASK),),
+                           ((2, mx_tiles.OUT3_SHL), (26, mx_tiles.OUT3_SHR))), "kernels/mxfp4.py: MX tiles changed"
 
 
 @triton.jit
@@ -138,6 +140,17 @@ def _halves(o, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _rotl12(w, INTERP: tl.constexpr):
+    """uint32 w rotated left by 12 bits."""
+    if PRMT_OK and not INTERP:  # one funnel shift; spelled as two shifts and an OR, LLVM may split it around the mask
+        r = tl.inline_asm_elementwise("shf.l.wrap.b32 $0, $1, $1, 12;", "=r,r", [w], dtype=tl.uint32, is_pure=True,
+                                      pack=1)
+    else:
+        r = (w << 12) | (w >> 20)
+    return r
+
+
+@triton.jit
 def tile_scales(swords, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Scale words [NB, KB, 8] -> e8m0 as int32 [BLOCK_N, BLOCK_K / 32]."""
     s = swords.to(tl.uint32, bitcast=True)
@@ -172,9 +185,9 @@ def tile_bf16(words, swords, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BIG: 
     KB: tl.constexpr = BLOCK_K // 64
     w = words.to(tl.uint32, bitcast=True)
     o0 = w & MASK
-    o1 = (w << 3) & MASK
-    o2 = (w << 6) & MASK
-    o3 = ((w >> 8) & OUT3_R8) | ((w >> 3) & OUT3_R3) | ((w << 2) & OUT3_L2)
+    o1 = (w << 6) & MASK
+    o2 = _rotl12(w, INTERP) & MASK
+    o3 = ((w << 2) & OUT3_SHL) | ((w >> 6) & OUT3_SHR)
     v = _halves(tl.join(tl.join(o0, o2), tl.join(o1, o3)), INTERP)  # [NB, KB, lane, j, c, h, e]
     v = tl.reshape(v, (NB, KB, 8, 4, 4, 2, 2, 2))  # nb kb g q j c h e
     v = tl.reshape(tl.permute(v, (0, 6, 2, 1, 4, 5, 3, 7)), (BLOCK_N, BLOCK_K // 32, 32))  # nb h g | kb j c q e

@@ -84,13 +84,10 @@ def test_padding_is_zero_codes_and_zero_scales(seed, lead, n, k):
 
 def _decode_word(w: int, o: int) -> tuple[int, int]:
     """Output register o of a tile word as the docstring's shifts and masks give it: (low, high) bf16 bits."""
-    if o < 3:
-        x = (w << (3 * o)) & mx_tiles.MASK
-    else:
-        x = 0
-        for t, mask in mx_tiles.OUT3_MASKS.items():
-            x |= ((w << t) if t >= 0 else (w >> -t)) & mask
-    x &= 0xFFFFFFFF
+    rotl = lambda r: ((w << r) | (w >> (32 - r))) & 0xFFFFFFFF  # noqa: E731
+    x = 0
+    for rot, mask in mx_tiles.PIECES[o]:
+        x |= rotl(rot) & mask
     return x & 0xFFFF, x >> 16
 
 

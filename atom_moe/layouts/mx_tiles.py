@@ -10,11 +10,13 @@ preparation (atom_moe.weights) and never converted back in the forward:
   holds the 8 codes a Hopper mma A-fragment gives thread `lane` for the k16 slab j:
   row g + 8h and k = 16j + 8c + 2q + e for h, c, e in {0, 1}. One 16-byte load per thread
   per block, no shuffles.
-- Inside a word the 8 code bits are placed so that 4 bf16x2 registers come out with shifts and
-  masks only (about 11 integer ops per 8 codes): output o = 2c + h holds (e = 0, e = 1) in its
-  (low, high) half, each as bf16 bits `sign << 15 | em << 6`, i.e. e2m1 value * 2^-126
-  (code 1 = 0.5 lands on a bf16 subnormal). Outputs 0, 1, 2 are `(w << 3o) & MASK`; output
-  3 gathers its bits with the shifts in OUT3.
+- Inside a word the 8 code bits are placed so that 4 bf16x2 registers come out with shifts,
+  one rotate and masks only (9 integer ops per 8 codes): output o = 2c + h holds (e = 0, e = 1)
+  in its (low, high) half, each as bf16 bits `sign << 15 | em << 6`, i.e. e2m1 value * 2^-126
+  (code 1 = 0.5 lands on a bf16 subnormal). PIECES lists, per output, (left rotation, target
+  mask) pairs: output o is the OR of `rotl(w, r) & mask` over its pieces. Outputs 0-2 take one
+  piece each (w, w << 6, rotl(w, 12)); output 3 two (w << 2 and w >> 6). No choice of plain
+  shifts covers the fourth output with fewer than three pieces (11 ops); a rotation lets two do.
 - scales: uint8 [..., N/16, K/64, 32], byte index g * 4 + 2h + jg (jg = k32 group in the block),
   read as one 32-bit word per row pair (g, g + 8).
 
@@ -31,9 +33,10 @@ BLOCK_BYTES = ROWS * KS // 2
 SCALE_BYTES = ROWS * KS // 32
 
 MASK = 0x81C081C0  # bf16x2: sign bits 15/31, e1 e0 m at bits 8..6 and 24..22
-# output 3's bits come from the positions the shifts 0, 3, 6 leave free: (target bit, word bit)
-OUT3 = ((6, 14), (7, 10), (8, 11), (15, 13), (22, 30), (23, 26), (24, 27), (31, 29))
-OUT3_MASKS = {t: sum(1 << b for b, p in OUT3 if b - p == t) for t in (-8, -3, 2)}  # (w << t) & mask
+OUT3_SHL = 0x80C080C0  # output 3's bits taken from w << 2: sign and e0 m of both halves
+OUT3_SHR = MASK & ~OUT3_SHL  # and from w >> 6 (left rotation 26): e1 of both halves
+# per output o: ((left rotation, target mask), ...); the kernel (kernels/mxfp4.py tile_bf16) does these
+PIECES = (((0, MASK),), ((6, MASK),), ((12, MASK),), ((2, OUT3_SHL), (26, OUT3_SHR)))
 # target bit -> (half e, code bit): em at 8..6 = code bits 2..0, sign 15 = code bit 3
 _TARGET = {6: (0, 0), 7: (0, 1), 8: (0, 2), 15: (0, 3), 22: (1, 0), 23: (1, 1), 24: (1, 2), 31: (1, 3)}
 
@@ -41,11 +44,11 @@ _TARGET = {6: (0, 0), 7: (0, 1), 8: (0, 2), 15: (0, 3), 22: (1, 0), 23: (1, 1), 
 def _word_plan() -> list[tuple[int, int, int, int]]:
     """(output o, half e, code bit, word bit) for all 32 bits of a word."""
     plan = []
-    for o in range(4):
-        sources = [(b, b - 3 * o) for b in _TARGET] if o < 3 else list(OUT3)
-        for target, pos in sources:
-            e, bit = _TARGET[target]
-            plan.append((o, e, bit, pos))
+    for o, pieces in enumerate(PIECES):
+        for rot, mask in pieces:
+            for target, (e, bit) in _TARGET.items():
+                if mask >> target & 1:
+                    plan.append((o, e, bit, (target - rot) % 32))
     assert sorted(p for *_, p in plan) == list(range(32))
     return plan
 
