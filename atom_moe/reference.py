@@ -118,3 +118,26 @@ def reference_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
             y = y + weights.down_bias[row]
         out.index_add_(0, tokens, y * topk_weights[tokens, slots].float().unsqueeze(1))
     return out
+
+
+def reference_moe_prepared(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, p: PreparedWeights,
+                           activation: Activation, *, act_quant: Scheme | None = None,
+                           chunk: int = 16) -> torch.Tensor:
+    """`reference_moe` on prepared weights, dequantizing only the local experts the ids hit, `chunk` at a time.
+
+    The shares of disjoint expert sets add up, so the result is the whole layer's; no more than
+    `chunk` experts are held in fp32 at once (all of Kimi-K2's 384 would take 68 GB).
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk={chunk}; allowed: a positive number of experts")
+    ids = topk_ids.long()
+    ids = ids[(ids >= 0) & (ids < p.num_experts)]  # -1 / E sentinels hit no expert
+    local = p.expert_map[torch.unique(ids)]
+    hit = local[local >= 0].tolist()
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for start in range(0, len(hit), chunk):
+        ref = ReferenceWeights.from_prepared(p.restricted(hit[start:start + chunk]))
+        out += reference_moe(x, topk_weights, topk_ids, ref, activation, act_quant=act_quant)
+        del ref
+    return out
+

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# One GPU call: a changed kernel file against its committed version, in one process order new, old, new
+# One GPU call: changed files against their committed versions, in one process per run, order new, old, new
 # (`atom-moe bench`), after the GPU tests TESTS selects. Logs and CSVs ($OUT/ab-{new,old,new2}.csv) go to $OUT.
-# Before the call, on this machine: mkdir -p .cache/old && git show HEAD:FILE > .cache/old/$(basename FILE),
+# FILES is one path or several joined by commas (a layout and its decoder change together).
+# Before the call, on this machine: mkdir -p .cache/old && for f in FILES: git show HEAD:$f > .cache/old/$(basename $f),
 # then carry .cache/old.
-# Usage: TESTS="-k 'mxfp4 or a16w4'" bash scripts/device_ab.sh FILE BENCH_ARGS...
-#   e.g. bash scripts/device_ab.sh kernels/mxfp4.py --shapes deepseek-v3 --schemes a16w4 --tokens 1 8 128 --iters 10
+# Usage: TESTS="-k 'mxfp4 or a16w4'" bash scripts/device_ab.sh FILES BENCH_ARGS...
+#   e.g. bash scripts/device_ab.sh kernels/mxfp4.py,atom_moe/layouts/mx_tiles.py --shapes deepseek-v3 --schemes a16w4 \
+#        --tokens 1 8 128 --iters 10
 set -uo pipefail
-file=$1; shift
-old=.cache/old/$(basename "$file")
-[ -f "$old" ] || { echo "device_ab: $old is missing: git show HEAD:$file > $old, and carry .cache/old"; exit 2; }
+IFS=, read -r -a files <<<"$1"; shift
+for f in "${files[@]}"; do
+  [ -f ".cache/old/$(basename "$f")" ] || { echo "device_ab: .cache/old/$(basename "$f") is missing: git show HEAD:$f > it, and carry .cache/old"; exit 2; }
+done
 out=${OUT:-/tmp/atom_moe_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -19,12 +22,13 @@ if [ -n "${TESTS:-}" ]; then
   step "GPU tests: $TESTS"
   eval "timeout 200 python3 -m pytest -q -p no:cacheprovider -rs $TESTS" 2>&1 | tail -4
 fi
-new=$(mktemp)
-cp "$file" "$new"
+new=$(mktemp -d)
+for f in "${files[@]}"; do cp "$f" "$new/$(basename "$f")"; done
 for v in new old new2; do
   step "bench $v"
-  if [ "$v" = old ]; then cp "$old" "$file"; else cp "$new" "$file"; fi
-  timeout 150 python3 -m atom_moe.tools.cli bench --no-baseline "$@" --csv "$out/ab-$v.csv" 2>&1 | quiet | grep " T=" | cut -c1-120
+  src=$new; [ "$v" = old ] && src=.cache/old
+  for f in "${files[@]}"; do cp "$src/$(basename "$f")" "$f"; done
+  timeout "${AB_STEP_S:-150}" python3 -m atom_moe.tools.cli bench --no-baseline "$@" --csv "$out/ab-$v.csv" 2>&1 | quiet | grep " T=" | cut -c1-120
 done
-cp "$new" "$file"
+for f in "${files[@]}"; do cp "$new/$(basename "$f")" "$f"; done
 step "done"

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from atom_moe.experts_torch import experts_torch, local_ids
-from atom_moe.reference import ReferenceWeights, apply_activation, quant_dequant_activations, reference_moe
+from atom_moe.reference import (ReferenceWeights, apply_activation, quant_dequant_activations, reference_moe,
+                                reference_moe_prepared)
 from atom_moe.routing import route
 from atom_moe.spec import Activation, ActivationKind, MoESpec, Routing, Scheme, Scoring
 from atom_moe.weights import prepare_stacked
@@ -255,6 +256,29 @@ def test_experts_torch_vs_reference(seed, scheme, act, bias):
     # the quantized schemes are still the same layer as the fp32 weights, only coarser
     full = reference_moe(x, tw, ti, ReferenceWeights.from_separated(w13, w2, b13, b2), act)
     assert rel_err(out, full) < {"bf16": 0.02, "fp8": 0.08}.get(scheme, 0.35)
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8", "a16w4", "a8w4"])
+def test_reference_moe_prepared_chunks_add_up(seed, scheme):
+    """Chunked dequantization (what the tuner uses on layers too large for fp32) gives the whole layer's reference,
+    on a rank holding a subset of the experts, with -1 / E sentinels in the ids."""
+    spec = MoESpec.create(hidden_size=H, intermediate_size=I, num_experts=E, top_k=3, scheme=scheme,
+                          activation=OAI, has_bias=True)
+    w13, w2, b13, b2 = raw_weights(bias=True)
+    local = tuple(torch.randperm(E)[:E - 1].tolist())  # one expert lives elsewhere
+    rs = spec.for_rank(0, 2, local)
+    p = prepare_stacked(rs, w13, w2, layout="separated", w13_bias=b13, w2_bias=b2)
+    x = torch.randn(T, H)
+    tw, ti = routing_for(k=3)
+    ti[0, 0], ti[1, 2] = -1, E
+    act_quant = spec.scheme if spec.scheme.fp8_activations else None
+    want = reference_moe(x, tw, ti, ReferenceWeights.from_prepared(p), OAI, act_quant=act_quant)
+    assert want.abs().max() > 0
+    for chunk in (1, 2, E):
+        got = reference_moe_prepared(x, tw, ti, p, OAI, act_quant=act_quant, chunk=chunk)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max())), chunk
+    with pytest.raises(ValueError, match="chunk=0"):
+        reference_moe_prepared(x, tw, ti, p, OAI, chunk=0)
 
 
 @pytest.mark.parametrize("scheme", ["bf16", "fp8", "a8w4"])
