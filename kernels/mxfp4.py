@@ -5,8 +5,8 @@ The GEMMs read MX tiles as int32 words: a [BLOCK_N, BLOCK_K] weight tile is NB x
 row pair (g, g + 8) of a block. Every thread loads its 16 contiguous bytes per block, already
 in the order a Hopper mma A fragment wants, so the load needs no shared-memory shuffle.
 
-Decode (`tile_bf16`): each word gives 4 bf16x2 registers with shifts and masks only (value *
-2^-126, code 1 = 0.5 on a bf16 subnormal), then one bf16x2 multiply by 2^(s-1) applies the
+Decode (`tile_bf16`): each word gives 4 bf16x2 registers with shifts, one rotate and masks only,
+9 integer ops (mx_tiles.PIECES; value * 2^-126, code 1 = 0.5 on a bf16 subnormal), then one bf16x2 multiply by 2^(s-1) applies the
 e8m0 scale, exactly: e2m1 has 2 significant bits. Scales above 128 (2^(s-1) would overflow
 bf16) take a second multiply; `BIG` (set from the weights' largest scale at preparation)
 switches that in, so real checkpoints pay one multiply. An e8m0 0xFF (above 128, so BIG) gives
@@ -17,7 +17,9 @@ plain-row layout (`scripts/kernel_sass.py`, sm_90a): 4.3-4.9 SASS instructions p
 GEMMs' K loop instead of 12.6; on an H200 the gpt-oss layer got 1.9-3.1x faster at T <= 512
 (docs/perf/mxfp4-h200.md). On NVIDIA the bf16 halves of a word are split by one opaque PTX move
 (`_halves`), which keeps LLVM from swapping halves around the scale multiply: 3.2-4.0 per weight
-now, 5-9 % faster layers (docs/perf/a16w4-halves-h200.md).
+then, 5-9 % faster layers (docs/perf/a16w4-halves-h200.md). The rotate layout took the fourth output from
+three shifted pieces to two: 3.3-3.4 per weight at the 64-k tiles, 3-7 % faster layers there
+(docs/perf/a16w4-rotation-h200.md).
 
 a8w4 streams its own layout, MX quads (atom_moe/layouts/mx_quads.py): each word holds one row's
 codes for two e4m3 mma A-fragment registers (k-quads), and `tile_e4m3` turns it into them
