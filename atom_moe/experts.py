@@ -220,7 +220,7 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
                 block_m=cfg.block_m, block_n=cfg.block_n1, block_k=cfg.block_k1,
                 num_warps=cfg.warps1, num_stages=cfg.stages1, group_m=cfg.group_m, mx_big=weights.mx_scale_max > 128,
                 w13_rowexp_t=weights.w13_rowexp, mx_flush=weights.mx_flush,
-                split_k=split_k, partial=ws.partial)
+                split_k=split_k, partial=ws.partial, maxnreg=cfg.maxnreg1)
     separate = remote is None and (combine == "separate" or (combine is None and T * k >= gemm2.SEPARATE_MIN_PAIRS))
     partial = gemm2.separate_partial(ws.partial, out) if separate else ws.partial
     split_k2 = cfg.split_k2 if decode and not separate and remote is None else 1
@@ -230,7 +230,8 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
                 block_m=cfg.block_m, block_n=cfg.block_n2, block_k=cfg.block_k2,
                 num_warps=cfg.warps2, num_stages=cfg.stages2, group_m=cfg.group_m, remote=remote,
                 hidden=weights.hidden_size, mx_big=weights.mx_scale_max > 128,
-                w2_rowexp=weights.w2_rowexp, mx_flush=weights.mx_flush, separate=separate, split_k=split_k2)
+                w2_rowexp=weights.w2_rowexp, mx_flush=weights.mx_flush, separate=separate, split_k=split_k2,
+                maxnreg=cfg.maxnreg2)
     if separate:
         gemm2.combine(partial, topk_ids, weights.expert_map, out)
     return out

@@ -36,6 +36,15 @@ def check_split(gemm: str, split_k: int, num_pairs: int, n_out: int, k: int, blo
     return split_k
 
 
+def register_cap(maxnreg: int) -> dict:
+    """Launch options for a per-thread register cap (0: none): Triton's maxnreg, a ptxas option (NVIDIA only)."""
+    if not maxnreg:
+        return {}
+    if torch.version.hip is not None:
+        raise ValueError(f"maxnreg={maxnreg}: the register cap is a ptxas (NVIDIA) option; HIP builds take 0")
+    return {"maxnreg": maxnreg}
+
+
 def interpreting() -> bool:
     """True under TRITON_INTERPRET=1: kernels then switch in workarounds for the interpreter's
     wrong bf16 dot and bf16/e4m3 rounding (see `dot` and `cast`)."""

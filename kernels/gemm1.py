@@ -31,7 +31,7 @@ import triton.language as tl
 from atom_moe.layouts.gate_up import GateUpKind, GateUpLayout, GateUpTensor, LayoutError, require
 from atom_moe.spec import A8W4_INTER_GROUP
 
-from .common import FP8_MAX, QGROUP, cast, check_split, interpreting
+from .common import FP8_MAX, QGROUP, cast, check_split, interpreting, register_cap
 from .mainloop import k_loop, tile_expert, tile_finish, tile_rows, tile_start
 from .mxfp4 import launch_args, rowexp_arg, scaled_dot
 
@@ -132,7 +132,7 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
           limit: float, block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
           group_m: int = 8, mx_big: bool = False, w13_rowexp_t: GateUpTensor | None = None,
           mx_flush: bool = False, clamp: bool = False, split_k: int = 1,
-          partial: torch.Tensor | None = None) -> None:
+          partial: torch.Tensor | None = None, maxnreg: int = 0) -> None:
     """out[row, :I] = act(x[token(row)] @ w13[expert(row)]^T (+bias)), fp8-quantized when out_scale is given.
 
     act: silu(gate) * up; with clamp (DeepSeek-V4) gate <= limit and |up| <= limit first; with oai
@@ -143,7 +143,7 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
     blocks are flushed, atom_moe/layouts/mx_quads.py). split_k > 1 splits K that many
     ways over a second grid axis and adds the slices in a second launch, through `partial` (fp32,
     >= split_k * T * top_k * 2I elements: GEMM2's scratch, free while GEMM1 runs; allocate_workspace
-    sizes it for split-K at decode batches).
+    sizes it for split-K at decode batches). maxnreg > 0 caps the registers per thread (NVIDIA).
     """
     # The pairing of gate and up rows is checked, never assumed: a mispaired layout runs fine
     # and silently ruins accuracy.
@@ -194,7 +194,8 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
     meta = dict(SPLIT=split, FP8=fp8, W4=w4, BIG=w4 and (mx_flush if fp8 else mx_big), OAI=oai,
                 CLAMP=clamp, HAS_BIAS=w13_bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                 GROUP_M=group_m, IGROUP=igroup, INTERP=interpreting(),
-                SCALED=w4 and fp8 and scaled_dot(x.device, block_k), num_warps=num_warps, num_stages=num_stages)
+                SCALED=w4 and fp8 and scaled_dot(x.device, block_k), num_warps=num_warps, num_stages=num_stages,
+                **register_cap(maxnreg))
     if split == 1:
         _gemm1_kernel[(tiles,)](*args, PHASE=0, **meta)
     else:

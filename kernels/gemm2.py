@@ -41,7 +41,7 @@ import triton.language as tl
 
 from atom_moe.spec import A8W4_INTER_GROUP
 
-from .common import QGROUP, cast, check_split, interpreting
+from .common import QGROUP, cast, check_split, interpreting, register_cap
 from .mainloop import k_loop, tile_expert, tile_finish, tile_rows, tile_start
 from .mxfp4 import launch_args, rowexp_arg, scaled_dot
 
@@ -209,7 +209,7 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
           block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int, group_m: int = 8,
           remote: "RemoteOutput | None" = None, separate: bool = False, hidden: int | None = None,
           mx_big: bool = False, w2_rowexp: torch.Tensor | None = None, mx_flush: bool = False,
-          split_k: int = 1) -> None:
+          split_k: int = 1, maxnreg: int = 0) -> None:
     """out[t] = sum_k w[t,k] * (act[row(t,k)] @ w2[e]^T (+bias)), deterministic combine.
 
     remote: push the results to the source ranks instead of `out` (see the module docstring).
@@ -218,7 +218,7 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
     mx_big: some MXFP4 e8m0 scale is above 128 (a16w4). a8w4's w2 is MX quads, with its row
     exponents w2_rowexp (uint8 [E, H]) and mx_flush (atom_moe/layouts/mx_quads.py). split_k > 1
     splits K (I) that many ways over a second grid axis (decode batches, local counter combine:
-    `partial` then holds split_k * T * k rows).
+    `partial` then holds split_k * T * k rows). maxnreg > 0 caps the registers per thread (NVIDIA).
     """
     fp8 = a_scale is not None  # e4m3 activations (fp8, a8w4)
     w4 = w2.dtype == torch.uint8  # MXFP4 weights (a16w4, a8w4): MX tiles [E, H/16, I/64, 512]
@@ -267,5 +267,5 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
         KP2=triton.next_power_of_2(top_k),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, IGROUP=igroup, INTERP=interpreting(),
         REMOTE=remote is not None, SEPARATE=separate, SCALED=w4 and fp8 and scaled_dot(a.device, block_k),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **register_cap(maxnreg),
     )

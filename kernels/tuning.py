@@ -22,8 +22,10 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 ENV_VARS = ("ATOM_FLYDSL_KERNELS_PATH", "ATOM_MOE_CONFIG_DIR")
 KEY_COLUMNS = ("device", "scheme", "H", "I", "E", "top_k", "tokens")
 CONFIG_COLUMNS = ("block_m", "block_n1", "block_k1", "warps1", "stages1",
-                  "block_n2", "block_k2", "warps2", "stages2", "group_m", "split_k1", "split_k2")
-OPTIONAL_COLUMNS = {"split_k1": 1, "split_k2": 1}  # tables written before these columns existed read as 1
+                  "block_n2", "block_k2", "warps2", "stages2", "group_m", "split_k1", "split_k2",
+                  "maxnreg1", "maxnreg2")
+# tables written before these columns existed read as unsplit and uncapped
+OPTIONAL_COLUMNS = {"split_k1": 1, "split_k2": 1, "maxnreg1": 0, "maxnreg2": 0}
 COLUMNS = KEY_COLUMNS + CONFIG_COLUMNS + ("us",)
 
 
@@ -47,12 +49,19 @@ class TileConfig:
     group_m: int = 8
     split_k1: int = 1  # GEMM1's K split (small batches): kernels/gemm1.py
     split_k2: int = 1  # GEMM2's K split (small batches, local counter combine): kernels/gemm2.py
+    # registers per thread ptxas may use (Triton's maxnreg, NVIDIA only; 0: no cap): a cap trades spills
+    # for resident CTAs (a16w4's 128-k tiles: 122 registers, 4 CTAs per SM; docs/perf/a16w4-rotation-h200.md)
+    maxnreg1: int = 0
+    maxnreg2: int = 0
 
     def check(self, scheme: str) -> None:
         """Raise ConfigError unless the kernels accept this config for `scheme`."""
         for f in fields(self):
             v = getattr(self, f.name)
-            if not isinstance(v, int) or v < 1:
+            if f.name.startswith("maxnreg"):
+                if not isinstance(v, int) or not (v == 0 or MIN_MAXNREG <= v <= MAX_MAXNREG):
+                    raise ConfigError(f"tile config {f.name}={v!r}: allowed 0 (no cap) or {MIN_MAXNREG}..{MAX_MAXNREG}")
+            elif not isinstance(v, int) or v < 1:
                 raise ConfigError(f"tile config {f.name} must be a positive int, got {v!r}")
         for name in ("block_m", "block_n1", "block_k1", "block_n2", "block_k2"):
             v = getattr(self, name)
@@ -83,6 +92,7 @@ class TileConfig:
 FP8_ACT = ("fp8", "a8w4")  # e4m3 activations: tiles hold whole quant groups (Scheme.inter_group)
 MXFP4 = ("a16w4", "a8w4")  # e2m1 weights with one e8m0 scale per 32 along K
 MAX_BLOCK_M = 128  # the workspace is sized for the largest BLOCK_M
+MIN_MAXNREG, MAX_MAXNREG = 64, 255  # the floor keeps a typo from building a spill-bound kernel; 255 is the per-thread limit
 MAX_SPLIT_K = 8  # kernels/common.py's bound (no triton import here)
 SPLIT_MAX_PAIRS = 128  # kernels/common.py's: split-K only for decode batches
 MIN_BLOCK_M = 16

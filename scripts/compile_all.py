@@ -76,7 +76,7 @@ def _divisible(value) -> bool:
 
 def _record(self: JITFunction, *args, grid, warmup, **kwargs):
     """Stands in for JITFunction.run: note the launch's signature, launch nothing."""
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
     bound = dict(zip(self.arg_names, args))
     bound.update(kwargs)
     sig, ce, div = {}, {}, []

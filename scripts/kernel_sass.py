@@ -115,8 +115,10 @@ def compile_sass(args: argparse.Namespace) -> tuple[dict, str]:
     names = list(sig) + list(ce)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in div}
     src = ASTSource(fn, {**sig, **{k: "constexpr" for k in ce}}, constexprs=ce, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=args.warps, num_stages=args.stages))
+    options = dict(num_warps=args.warps, num_stages=args.stages)
+    if args.maxnreg:  # Triton writes it into the PTX (.maxnreg), so the ptxas -v below applies it too
+        options["maxnreg"] = args.maxnreg
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         Path(ptx).write_text(compiled.asm["ptx"])
@@ -134,6 +136,7 @@ def compile_sass(args: argparse.Namespace) -> tuple[dict, str]:
     report = {
         "registers": regs,
         "stack_bytes": int(stack.group(1)) if stack else 0,
+        "spill_stores": int(re.search(r"(\d+) bytes spill stores", info).group(1)),
         "loop_instructions": len(body),
         "per_weight": len(body) / weights_per_thread,
         "pipelined_loads": sum(v for k, v in mix.items() if k.startswith("LDGSTS")),
@@ -162,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--stages", type=int, default=3)
     p.add_argument("--top-k", type=int, default=4, help="GEMM2's combine width")
+    p.add_argument("--maxnreg", type=int, default=0, help="register cap per thread, as a tile config's maxnreg1/2 (0: none)")
     p.add_argument("--scaled", action="store_true", help="a8w4 through tl.dot_scaled (gfx950's path; on sm_90a "
                    "Triton decomposes it)")
     p.add_argument("--top", type=int, default=16, help="most frequent instructions to list")
@@ -175,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report))
         return 0
     print(f"{args.kernel} {args.scheme} BM{args.block_m} BN{args.block_n} BK{args.block_k} w{args.warps} "
-          f"s{args.stages}: {report['registers']} registers, {report['stack_bytes']} B stack; K loop "
+          f"s{args.stages}{f' maxnreg {args.maxnreg}' if args.maxnreg else ''}: {report['registers']} registers, "
+          f"{report['stack_bytes']} B stack, {report['spill_stores']} B spilled; K loop "
           f"{report['loop_instructions']} instructions = {report['per_weight']:.2f} per weight; loads in the loop: "
           f"{report['pipelined_loads']} cp.async, {report['plain_loads']} plain, {report['shared_stores']} shared "
           f"stores; wgmma: {', '.join(report['wgmma']) or 'none'}{' (serialized by ptxas)' * report['wgmma_serialized']}")

@@ -286,6 +286,9 @@ def test_tile_configs_agree(seed, scheme):
         cfg = TileConfig(bm, n1, k1, base.warps1, 2, n2, k2, base.warps2, 2, group_m=2)
         got = fused_experts(x, w, ids, p, spec, config=cfg)
         assert rel_err(got, twin) <= 1e-2, cfg
+    # a register cap travels to the launch (the interpreter ignores it; tests/test_kernels_gpu.py checks it applies)
+    capped = dataclasses.replace(cfg, maxnreg1=96, maxnreg2=128)
+    assert rel_err(fused_experts(x, w, ids, p, spec, config=capped), twin) <= 1e-2
 
 
 @pytest.mark.parametrize("scheme,x_dtype", [("bf16", torch.float16), ("bf16", torch.float32),

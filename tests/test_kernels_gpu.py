@@ -250,6 +250,28 @@ def test_a8w4_flushed_blocks(seed, block_n1):
     assert rel_err(fused_experts(x, w, ids, dataclasses.replace(p, mx_flush=False), spec, config=cfg), twin) > 0.1
 
 
+def test_register_cap_reaches_the_compiled_gemms(seed):
+    # a tile config's maxnreg1/2 caps the registers of the kernels that run: an a16w4 16 x 128 x 128 tile
+    # (122 registers uncapped) at 96, same answer as uncapped within rounding, against the reference
+    from atom_moe.kernels import gemm1, gemm2
+    from atom_moe.kernels.tuning import TileConfig
+    _, fused_experts = _fused()
+    H, I, E, k, T = 2048, 1024, 8, 4, 16
+    spec, p = make_layer(H, I, E, k, "a16w4", device="cuda")
+    w, ids = make_routing(T, E, k, mode="random", device="cuda")
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    free = TileConfig(16, 128, 128, 4, 3, 128, 128, 4, 3)
+    capped = TileConfig(16, 128, 128, 4, 3, 128, 128, 4, 3, maxnreg1=96, maxnreg2=96)
+    for kernel in (gemm1._gemm1_kernel, gemm2._gemm2_kernel):
+        kernel.device_caches.clear()
+    got = fused_experts(x, w, ids, p, spec, config=capped)
+    regs = [c.n_regs for kernel in (gemm1._gemm1_kernel, gemm2._gemm2_kernel)
+            for cache in kernel.device_caches.values() for c in cache[0].values()]
+    assert regs and max(regs) <= 96, regs
+    assert rel_err(got, reference(x, w, ids, spec, p, act_quant=False)) <= 1e-2
+    assert rel_err(got, fused_experts(x, w, ids, p, spec, config=free)) <= 1e-3
+
+
 @pytest.mark.parametrize("block_k1", [64, 128])
 def test_a8w4_through_dot_scaled(seed, monkeypatch, block_k1):
     # ATOM_MOE_SCALED_DOT=1: a8w4 through the real tl.dot_scaled (gfx950's path; Triton decomposes it on

@@ -11,9 +11,10 @@ from atom_moe.kernels import tuning
 HEADER = ",".join(tuning.COLUMNS)
 
 
-def _row(device, scheme, H, I, E, k, tokens, block_m, us=1.0, n1=128, split=1, split2=1):
+def _row(device, scheme, H, I, E, k, tokens, block_m, us=1.0, n1=128, split=1, split2=1, regs=0):
     k1 = 128 if scheme == "fp8" else 64
-    return f"{device},{scheme},{H},{I},{E},{k},{tokens},{block_m},{n1},{k1},4,3,128,{k1},4,3,8,{split},{split2},{us}"
+    return (f"{device},{scheme},{H},{I},{E},{k},{tokens},{block_m},{n1},{k1},4,3,128,{k1},4,3,8,{split},{split2},"
+            f"{regs},{regs},{us}")
 
 
 @pytest.fixture(autouse=True)
@@ -78,19 +79,40 @@ def test_bad_tables_and_dirs_are_named(tmp_path, monkeypatch):
         tuning.lookup("x", "bf16", 8, 8, 2, 1, 1)
 
 
-def test_split_k_column_is_optional(tmp_path, monkeypatch):
-    # tables from before split-K have no split_k1 / split_k2 columns: their rows read as 1; newer rows carry them
-    old_header = ",".join(c for c in tuning.COLUMNS if c not in ("split_k1", "split_k2"))
-    old_row = _row("x", "bf16", 512, 256, 16, 4, 1, 16).rsplit(",", 3)
-    (tmp_path / "old.csv").write_text(f"{old_header}\n{old_row[0]},{old_row[3]}\n")
+def test_split_k_and_register_cap_columns_are_optional(tmp_path, monkeypatch):
+    # tables from before split-K / register caps lack those columns: their rows read as unsplit, uncapped;
+    # newer rows carry them
+    values = dict(zip(tuning.COLUMNS, _row("x", "bf16", 512, 256, 16, 4, 1, 16).split(",")))
+    old_cols = [c for c in tuning.COLUMNS if c not in tuning.OPTIONAL_COLUMNS]
+    (tmp_path / "old.csv").write_text(",".join(old_cols) + "\n" + ",".join(values[c] for c in old_cols) + "\n")
     monkeypatch.setenv("ATOM_MOE_CONFIG_DIR", str(tmp_path))
     old = tuning.lookup("x", "bf16", 512, 256, 16, 4, 1)
-    assert (old.split_k1, old.split_k2) == (1, 1)
+    assert (old.split_k1, old.split_k2, old.maxnreg1, old.maxnreg2) == (1, 1, 0, 0)
     (tmp_path / "old.csv").unlink()
-    _write(tmp_path / "new.csv", [_row("x", "bf16", 512, 256, 16, 4, 1, 16, split=4, split2=2)])
+    _write(tmp_path / "new.csv", [_row("x", "bf16", 512, 256, 16, 4, 1, 16, split=4, split2=2, regs=96)])
     tuning.clear_cache()
     new = tuning.lookup("x", "bf16", 512, 256, 16, 4, 1)
-    assert (new.split_k1, new.split_k2) == (4, 2)
+    assert (new.split_k1, new.split_k2, new.maxnreg1, new.maxnreg2) == (4, 2, 96, 96)
+
+
+@pytest.mark.parametrize("regs, ok", [(0, True), (64, True), (96, True), (255, True), (1, False), (63, False),
+                                      (256, False), (-1, False)])
+def test_register_cap_bounds(regs, ok):
+    cfg = tuning.TileConfig(16, 128, 128, 4, 3, 128, 128, 4, 3, maxnreg1=regs, maxnreg2=0 if regs else 96)
+    if ok:
+        cfg.check("a16w4")
+    else:
+        with pytest.raises(tuning.ConfigError, match="maxnreg1"):
+            cfg.check("a16w4")
+
+
+def test_register_cap_launch_options(monkeypatch):
+    from atom_moe.kernels import common
+    assert common.register_cap(0) == {} and common.register_cap(96) == {"maxnreg": 96}
+    monkeypatch.setattr(common.torch.version, "hip", "6.2", raising=False)
+    assert common.register_cap(0) == {}
+    with pytest.raises(ValueError, match="NVIDIA"):
+        common.register_cap(96)
 
 
 def test_tuned_row_with_invalid_tiles_is_rejected(tmp_path, monkeypatch):

@@ -101,6 +101,23 @@ def test_kernel_sass_counts_the_k_loop(kernel, scheme, bm, bn, bk, tmp_path):
     assert mma in out.read_text()
 
 
+def test_kernel_sass_register_cap_reaches_ptxas():
+    # a tile config's maxnreg is Triton's option: the PTX carries it, and ptxas keeps the kernel under it
+    import json
+    import triton
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this triton wheel ships no ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    tile = ["gemm1", "--scheme", "a16w4", "--block-m", "16", "--block-n", "128", "--block-k", "128", "--json"]
+    reports = {}
+    for cap in (0, 96):
+        run = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel_sass.py"), *tile, "--maxnreg", str(cap)],
+                             capture_output=True, text=True, env=env, timeout=600)
+        assert run.returncode == 0, run.stderr
+        reports[cap] = json.loads(run.stdout)
+    assert reports[0]["registers"] > 96 >= reports[96]["registers"], reports
+
+
 def test_kernel_sass_refuses_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel_sass.py"), "gemm1"], capture_output=True,

@@ -92,6 +92,21 @@ def test_candidates_are_valid_and_include_the_heuristic(scheme, tokens):
     assert {c.block_m for c in tied} <= {h.block_m // 2, h.block_m, h.block_m * 2}
 
 
+def test_register_caps_only_on_their_schemes_unsplit_128k_tiles():
+    for scheme in ("bf16", "fp8", "a16w4", "a8w4"):
+        tied = tune.triton_candidates(tune.Key("x", scheme, 7168, 2048, 32, 8, 8), "tied")
+        capped = [c for c in tied if c.maxnreg1 or c.maxnreg2]
+        if scheme not in tune.REG_CAPS:
+            assert not capped
+            continue
+        # each capped config is an uncapped candidate plus the cap
+        assert capped and {replace(c, maxnreg1=0, maxnreg2=0) for c in capped} <= set(tied)
+        for c in capped:
+            assert (c.block_k1, c.block_k2, c.warps1, c.split_k1) == (128, 128, 4, 1) and c.block_m <= 32
+            assert c.maxnreg1 == c.maxnreg2 in tune.REG_CAPS[scheme]
+            c.check(scheme)
+
+
 def test_split_space_sweeps_the_table_row_and_the_heuristic_over_k_splits():
     """--space split: the H200 table's DeepSeek-V3 decode row and the heuristic, each at every (GEMM1, GEMM2) split."""
     key = tune.Key("NVIDIA H200", "fp8", 7168, 2048, 256, 8, 1)

@@ -106,6 +106,9 @@ TILES = ((64, 64), (64, 128), (128, 64), (128, 128), (256, 64), (256, 128))  # (
 LAUNCH = ((4, 3), (4, 4), (8, 3), (8, 4))  # (num_warps, num_stages)
 BLOCK_MS = (16, 32, 64, 128)
 SPLITS = (2, 4, 8)  # K splits tried for decode batches (kernels/common.py: SPLIT_MAX_PAIRS)
+# register caps tried on a scheme's 128-k, 4-warp tiles up to 32 rows: a16w4 keeps a K step's decoded
+# operands live, 122 registers at 16 x 128 x 128, so 4 CTAs per SM (docs/perf/a16w4-rotation-h200.md)
+REG_CAPS = {"a16w4": (96,)}
 
 
 def triton_candidates(key: Key, space: str = "tied") -> list:
@@ -115,7 +118,8 @@ def triton_candidates(key: Key, space: str = "tied") -> list:
     scheme constrains the tiles: then every allowed GEMM2 width with GEMM1's K step) and both
     GEMMs share warps/stages; "full": every GEMM1 tile x GEMM2 tile x launch shape; "split": the
     configs the op runs today (the table's row for the key and the heuristic), each with GEMM1 and
-    GEMM2 unsplit or split over K in SPLITS (a short decode sweep). "tied" and "full" split GEMM1 only.
+    GEMM2 unsplit or split over K in SPLITS (a short decode sweep). "tied" and "full" split GEMM1 only,
+    and add REG_CAPS variants of the scheme's unsplit 128-k tiles.
     """
     t = _tuning()
     h = t.heuristic(key.scheme, key.H, key.I, key.E, key.top_k, key.tokens)
@@ -140,6 +144,9 @@ def triton_candidates(key: Key, space: str = "tied") -> list:
     # decode: GEMM1 split over K, for the smallest row block's configs
     if key.tokens * key.top_k <= t.SPLIT_MAX_PAIRS:
         out += [replace(c, split_k1=s) for c in out if c.block_m == min(bms) for s in SPLITS]
+    out += [replace(c, maxnreg1=r, maxnreg2=r) for c in out for r in REG_CAPS.get(key.scheme, ())
+            if c.block_k1 == c.block_k2 == 128 and c.block_m <= 32 and c.warps1 == c.warps2 == 4
+            and c.split_k1 == 1]
     return list(dict.fromkeys(out))
 
 
