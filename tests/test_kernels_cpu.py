@@ -286,9 +286,20 @@ def test_tile_configs_agree(seed, scheme):
         cfg = TileConfig(bm, n1, k1, base.warps1, 2, n2, k2, base.warps2, 2, group_m=2)
         got = fused_experts(x, w, ids, p, spec, config=cfg)
         assert rel_err(got, twin) <= 1e-2, cfg
-    # a register cap travels to the launch (the interpreter ignores it; tests/test_kernels_gpu.py checks it applies)
+    # a register cap reaches each GEMM's launch options (the interpreter ignores it; tests/test_kernels_gpu.py
+    # checks that ptxas applies it)
+    from atom_moe.kernels import common, gemm1, gemm2
+    seen = []
+
+    def record(maxnreg):
+        seen.append(maxnreg)
+        return common.register_cap(maxnreg)
     capped = dataclasses.replace(cfg, maxnreg1=96, maxnreg2=128)
-    assert rel_err(fused_experts(x, w, ids, p, spec, config=capped), twin) <= 1e-2
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gemm1, "register_cap", record)
+        mp.setattr(gemm2, "register_cap", record)
+        assert rel_err(fused_experts(x, w, ids, p, spec, config=capped), twin) <= 1e-2
+    assert seen == [96, 128], seen
 
 
 @pytest.mark.parametrize("scheme,x_dtype", [("bf16", torch.float16), ("bf16", torch.float32),
