@@ -4,7 +4,8 @@ Schemes: bf16, fp8 (e4m3 weights, 128x128 block scales), a16w4 (MXFP4 weights, b
 activations) and a8w4 (MXFP4 weights as MX quads, e4m3 activations: the layer input per
 token-group-128, GEMM2's input per token-group-64; fp8 dots, see kernels/gemm1.py).
 
-Three Triton launches per call at small T; larger T adds a separate combine
+Two Triton launches at T = 1 (GEMM1 does the routing launch's work: pair blocks,
+kernels/routing.py), three at other small T; larger T adds a separate combine
 (kernels/gemm2.py) and a second routing-sort launch (kernels/routing.py). No host sync,
 every buffer in a `Workspace` that the caller may allocate once (`allocate_workspace`) and
 pass in, so the forward is CUDA-graph capturable and the caller sees every allocation.
@@ -149,7 +150,8 @@ def _check_inputs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
 def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, weights: PreparedWeights,
                   spec: MoESpec, *, workspace: Workspace | None = None, config: TileConfig | None = None,
                   out: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
-                  remote: RemoteOutput | None = None, combine: str | None = None) -> torch.Tensor | None:
+                  remote: RemoteOutput | None = None, combine: str | None = None,
+                  pair_blocks: bool | None = None) -> torch.Tensor | None:
     """[T, H] in x.dtype: sum over top-k of weight * expert(x) for this rank's local experts.
 
     `config` (a kernels.tuning.TileConfig) overrides the table lookup; `out` (optional,
@@ -158,7 +160,10 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     quant), and `remote` (kernels.gemm2.RemoteOutput) pushes the results to the source
     ranks instead; the call then returns None. `combine` forces GEMM2's top-k combine:
     "counter" (inside GEMM2) or "separate" (a fourth launch, local output only); default by
-    pair count (kernels.gemm2.SEPARATE_MIN_PAIRS).
+    pair count (kernels.gemm2.SEPARATE_MIN_PAIRS). `pair_blocks` skips the routing launch: each
+    (token, slot) pair is its own row block and GEMM1 does the routing launch's per-token work
+    (kernels/routing.py `PairBlocks`); default on for T = 1 with a local output and unquantized x,
+    where no expert can take two pairs of distinct ids, so the layer is two launches.
     """
     if spec.scheme not in SUPPORTED:
         raise ValueError(f"fused_experts supports schemes {[s.value for s in SUPPORTED]}, got {spec.scheme.value}")
@@ -199,13 +204,22 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     ws = workspace if workspace is not None else allocate_workspace(spec, T, x.device)
     ws.check(spec, T)
     fp8 = spec.scheme.fp8_activations  # fp8 and a8w4
-    n_blocks = routing.max_blocks(T * k, E_l, cfg.block_m)
     quant = fp8 and not pre_quantized
-    routing.routing_metadata(topk_ids, weights.expert_map, E_l, cfg.block_m, ws.sorted_ids, ws.block_expert,
-                             ws.cursor, x, out, ws.counters, ws.n_counters,
-                             xq=ws.x_q if quant else None, xs=ws.x_scale if quant else None,
-                             sent=(remote.info, remote.capacity) if remote is not None else None,
-                             chunk_counts=ws.chunk_counts)
+    if pair_blocks is None:
+        pair_blocks = T == 1 and remote is None and not pre_quantized
+    elif pair_blocks and (remote is not None or pre_quantized):
+        raise ValueError("fused_experts: pair_blocks needs a local output and unquantized x (no remote, no x_scale)")
+    pairs = routing.PairBlocks(topk_ids, weights.expert_map, x, out, ws.counters, ws.n_counters) if pair_blocks \
+        else None
+    if pairs is not None:
+        n_blocks = T * k
+    else:
+        n_blocks = routing.max_blocks(T * k, E_l, cfg.block_m)
+        routing.routing_metadata(topk_ids, weights.expert_map, E_l, cfg.block_m, ws.sorted_ids, ws.block_expert,
+                                 ws.cursor, x, out, ws.counters, ws.n_counters,
+                                 xq=ws.x_q if quant else None, xs=ws.x_scale if quant else None,
+                                 sent=(remote.info, remote.capacity) if remote is not None else None,
+                                 chunk_counts=ws.chunk_counts)
     act = spec.activation
     # the workspace holds max_tokens rows; GEMM1 takes its pair count from x's rows, so pass T of them
     x1, x1_scale = (x, x_scale) if pre_quantized else (ws.x_q[:T], ws.x_scale[:T]) if fp8 else (x, None)
@@ -220,7 +234,7 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
                 block_m=cfg.block_m, block_n=cfg.block_n1, block_k=cfg.block_k1,
                 num_warps=cfg.warps1, num_stages=cfg.stages1, group_m=cfg.group_m, mx_big=weights.mx_scale_max > 128,
                 w13_rowexp_t=weights.w13_rowexp, mx_flush=weights.mx_flush,
-                split_k=split_k, partial=ws.partial, maxnreg=cfg.maxnreg1)
+                split_k=split_k, partial=ws.partial, maxnreg=cfg.maxnreg1, pairs=pairs)
     separate = remote is None and (combine == "separate" or (combine is None and T * k >= gemm2.SEPARATE_MIN_PAIRS))
     partial = gemm2.separate_partial(ws.partial, out) if separate else ws.partial
     split_k2 = cfg.split_k2 if decode and not separate and remote is None else 1
@@ -231,7 +245,7 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
                 num_warps=cfg.warps2, num_stages=cfg.stages2, group_m=cfg.group_m, remote=remote,
                 hidden=weights.hidden_size, mx_big=weights.mx_scale_max > 128,
                 w2_rowexp=weights.w2_rowexp, mx_flush=weights.mx_flush, separate=separate, split_k=split_k2,
-                maxnreg=cfg.maxnreg2)
+                maxnreg=cfg.maxnreg2, pairs=pairs is not None)
     if separate:
         gemm2.combine(partial, topk_ids, weights.expert_map, out)
     return out

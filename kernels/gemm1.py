@@ -34,6 +34,7 @@ from atom_moe.spec import A8W4_INTER_GROUP
 from .common import FP8_MAX, QGROUP, cast, check_split, interpreting, register_cap
 from .mainloop import k_loop, tile_expert, tile_finish, tile_rows, tile_start
 from .mxfp4 import launch_args, rowexp_arg, scaled_dot
+from .routing import PairBlocks, local_slots, quant_row, zero_counters, zero_row
 
 GROUP = 128  # host-side twin of common.QGROUP
 
@@ -41,16 +42,23 @@ GROUP = 128  # host-side twin of common.QGROUP
 @triton.jit
 def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr, block_expert_ptr,
                   out_ptr, outs_ptr, num_pairs, top_k, hidden, inter, n_blocks, alpha, limit, row_blocks, k_blocks,
-                  part_ptr, k_span, SPLIT: tl.constexpr, PHASE: tl.constexpr, FP8: tl.constexpr, W4: tl.constexpr,
+                  part_ptr, k_span, ids_ptr, emap_ptr, num_experts, src_ptr, stride_src, counters_ptr, n_counters,
+                  layer_out_ptr, stride_layer_out,
+                  SPLIT: tl.constexpr, PHASE: tl.constexpr, FP8: tl.constexpr, W4: tl.constexpr,
                   BIG: tl.constexpr, OAI: tl.constexpr, CLAMP: tl.constexpr,
                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr, IGROUP: tl.constexpr, INTERP: tl.constexpr, SCALED: tl.constexpr):
+                  GROUP_M: tl.constexpr, IGROUP: tl.constexpr, INTERP: tl.constexpr, SCALED: tl.constexpr,
+                  PAIRS: tl.constexpr, KP2: tl.constexpr, HG: tl.constexpr):
     n_out = 2 * inter
-    pid_m, pid_n, expert = tile_expert(block_expert_ptr, n_blocks, tl.cdiv(n_out, BLOCK_N), GROUP_M)
+    pid_m, pid_n, expert = tile_expert(block_expert_ptr, n_blocks, tl.cdiv(n_out, BLOCK_N), GROUP_M, ids_ptr,
+                                       emap_ptr, num_experts, PAIRS)
+    if PAIRS and PHASE != 2:  # no routing launch ran: its per-token work is done here (kernels/routing.py)
+        token_duties(pid_m, pid_n, expert, ids_ptr, emap_ptr, num_experts, src_ptr, stride_src, x_ptr, xs_ptr,
+                     counters_ptr, n_counters, layer_out_ptr, stride_layer_out, hidden, top_k, KP2, FP8, HG, INTERP)
     if expert < 0:
         return
     e64 = expert.to(tl.int64)
-    rows, pair, row_ok = tile_rows(sorted_ptr, pid_m, num_pairs, BLOCK_M)
+    rows, pair, row_ok = tile_rows(sorted_ptr, pid_m, num_pairs, BLOCK_M, PAIRS)
     tok = (pair // top_k).to(tl.int64)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < n_out
@@ -126,13 +134,35 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, 
         tl.store(o_ptrs, cast(act, out_ptr.dtype.element_ty, INTERP), mask=o_mask)
 
 
+@triton.jit
+def token_duties(pid_m, pid_n, expert, ids_ptr, emap_ptr, num_experts, src_ptr, stride_src, xq_ptr, xs_ptr,
+                 counters_ptr, n_counters, out_ptr, stride_out, hidden, top_k, KP2: tl.constexpr,
+                 QUANT: tl.constexpr, HG: tl.constexpr, INTERP: tl.constexpr):
+    """The routing launch's per-token work for pair block pid_m (pair pid_m, token pid_m // top_k).
+
+    The token's first pair, column tile 0, first K slice zeroes the token's combine counters and,
+    when no slot is local, its output row. With e4m3 activations (QUANT) every program with work
+    quantizes the token's row into xq / xs itself (the same bytes whichever program writes them)
+    and reads it back after a barrier: no program waits on another.
+    """
+    tok = (pid_m // top_k).to(tl.int64)
+    if (pid_m % top_k == 0) & (pid_n == 0) & (tl.program_id(1) == 0):
+        zero_counters(tok, counters_ptr, n_counters, 256)
+        if local_slots(tok, ids_ptr, emap_ptr, num_experts, ids_ptr, 1, top_k, KP2, False) == 0:
+            zero_row(tok, 0, out_ptr, stride_out, hidden, QGROUP, HG)
+    if QUANT:
+        if expert >= 0:
+            quant_row(tok, 0, src_ptr, stride_src, xq_ptr, xs_ptr, hidden, QGROUP, HG, INTERP)
+            tl.debug_barrier()  # this program's K loop reads the row back
+
+
 def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w13_scale_t: GateUpTensor | None,
           w13_bias_t: GateUpTensor | None, sorted_ids: torch.Tensor, block_expert: torch.Tensor, n_blocks: int,
           top_k: int, out: torch.Tensor, out_scale: torch.Tensor | None, *, oai: bool, alpha: float,
           limit: float, block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
           group_m: int = 8, mx_big: bool = False, w13_rowexp_t: GateUpTensor | None = None,
           mx_flush: bool = False, clamp: bool = False, split_k: int = 1,
-          partial: torch.Tensor | None = None, maxnreg: int = 0) -> None:
+          partial: torch.Tensor | None = None, maxnreg: int = 0, pairs: PairBlocks | None = None) -> None:
     """out[row, :I] = act(x[token(row)] @ w13[expert(row)]^T (+bias)), fp8-quantized when out_scale is given.
 
     act: silu(gate) * up; with clamp (DeepSeek-V4) gate <= limit and |up| <= limit first; with oai
@@ -144,6 +174,9 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
     ways over a second grid axis and adds the slices in a second launch, through `partial` (fp32,
     >= split_k * T * top_k * 2I elements: GEMM2's scratch, free while GEMM1 runs; allocate_workspace
     sizes it for split-K at decode batches). maxnreg > 0 caps the registers per thread (NVIDIA).
+    pairs: no routing launch ran (kernels/routing.py `PairBlocks`); sorted_ids / block_expert are
+    unread, n_blocks is T * top_k, and with e4m3 activations x / x_scale are the buffers GEMM1 fills
+    from pairs.x.
     """
     # The pairing of gate and up rows is checked, never assumed: a mispaired layout runs fine
     # and silently ruins accuracy.
@@ -184,21 +217,51 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
     if block_n % 2:
         raise ValueError(f"GEMM1 block_n must be even (gate/up pairs), got {block_n}")
     split = check_split("GEMM1", split_k, num_tokens * top_k, 2 * inter, hidden, block_k, partial)
+    if pairs is not None:
+        _check_pairs(pairs, num_tokens, top_k, hidden, n_blocks)
+        if fp8 and (x.stride(0) != hidden or not x_scale.is_contiguous()):
+            raise ValueError("GEMM1 pair blocks: x and x_scale are the e4m3 buffers GEMM1 fills; they must be "
+                             "contiguous")
     # BIG is each MX layout's one compile-time switch: a16w4's scales above 128, a8w4's flushed blocks
     tiles = n_blocks * triton.cdiv(2 * inter, block_n)
     args = (x, x.stride(0), x_scale if fp8 else x, w13, w13_scale if w13_scale is not None else w13, rowexp,
             w13_bias if w13_bias is not None else w13, sorted_ids, block_expert,
             out, out_scale if fp8 else out, num_tokens * top_k, top_k, hidden, inter, n_blocks,
             float(alpha), float(limit), row_blocks, k_blocks,
-            partial if split > 1 else out, triton.cdiv(triton.cdiv(hidden, block_k), split) * block_k)
+            partial if split > 1 else out, triton.cdiv(triton.cdiv(hidden, block_k), split) * block_k,
+            *_pair_args(pairs, out))
     meta = dict(SPLIT=split, FP8=fp8, W4=w4, BIG=w4 and (mx_flush if fp8 else mx_big), OAI=oai,
                 CLAMP=clamp, HAS_BIAS=w13_bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                 GROUP_M=group_m, IGROUP=igroup, INTERP=interpreting(),
-                SCALED=w4 and fp8 and scaled_dot(x.device, block_k), num_warps=num_warps, num_stages=num_stages,
-                **register_cap(maxnreg))
+                SCALED=w4 and fp8 and scaled_dot(x.device, block_k), PAIRS=pairs is not None,
+                # the token's slots and its row in 128-groups (pair blocks only: 1 keeps other launches as they were)
+                KP2=1 if pairs is None else triton.next_power_of_2(top_k),
+                HG=1 if pairs is None else triton.next_power_of_2(triton.cdiv(hidden, GROUP)),
+                num_warps=num_warps, num_stages=num_stages, **register_cap(maxnreg))
     if split == 1:
         _gemm1_kernel[(tiles,)](*args, PHASE=0, **meta)
     else:
         _gemm1_kernel[(tiles, split)](*args, PHASE=1, **meta)
         _gemm1_kernel[(tiles,)](*args, PHASE=2, **meta)
 
+
+def _pair_args(pairs: PairBlocks | None, unused: torch.Tensor) -> tuple:
+    """The kernel's pair-block arguments (unread placeholders without pair blocks)."""
+    if pairs is None:
+        return unused, unused, 0, unused, 0, unused, 0, unused, 0
+    return (pairs.topk_ids, pairs.expert_map, pairs.expert_map.shape[0], pairs.x, pairs.x.stride(0), pairs.counters,
+            pairs.n_counters, pairs.out, pairs.out.stride(0))
+
+
+def _check_pairs(pairs: PairBlocks, num_tokens: int, top_k: int, hidden: int, n_blocks: int) -> None:
+    """Raise ValueError unless `pairs` fits a GEMM1 call over num_tokens tokens of width hidden."""
+    x, out, ids = pairs.x, pairs.out, pairs.topk_ids
+    if tuple(ids.shape) != (num_tokens, top_k) or n_blocks != num_tokens * top_k:
+        raise ValueError(f"GEMM1 pair blocks: topk_ids {tuple(ids.shape)} and n_blocks={n_blocks} must be "
+                         f"[{num_tokens}, {top_k}] and T * top_k = {num_tokens * top_k}")
+    if x.shape != (num_tokens, hidden) or out.shape != (num_tokens, hidden) or x.stride(1) != 1 or out.stride(1) != 1:
+        raise ValueError(f"GEMM1 pair blocks: x {tuple(x.shape)} and out {tuple(out.shape)} must be [{num_tokens}, "
+                         f"{hidden}] with a contiguous last dim")
+    if pairs.counters.dtype != torch.int32 or pairs.counters.numel() < num_tokens * pairs.n_counters:
+        raise ValueError(f"GEMM1 pair blocks: counters must be int32 with >= {num_tokens} * {pairs.n_counters} "
+                         f"elements, got {pairs.counters.dtype} {pairs.counters.numel()}")

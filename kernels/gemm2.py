@@ -5,7 +5,8 @@ partials to partial[pair, n-tile] and bumps a per-(token, n-tile) counter; the p
 that brings a token's counter to its number of local slots sums that token's partials
 in slot order 0..k-1 and writes out[token, n-tile]. The result is bitwise independent
 of the programs' finishing order (float atomics would not be), and needs no zeroed
-output: the routing launch zeroes the counters, so the layer stays at three launches.
+output: the routing launch (or, with pair blocks at T = 1, GEMM1) zeroes the counters, so the
+layer stays at three launches (two at T = 1).
 
 SEPARATE (large T, local output only): the epilogue only stores each weighted (token, slot)
 row, in the output dtype, to partial[pair]; a fourth launch (`combine`) sums each token's
@@ -48,7 +49,7 @@ from .mxfp4 import launch_args, rowexp_arg, scaled_dot
 GROUP = 128  # host-side twin of common.QGROUP
 # Pair count from which fused_experts combines in a separate launch: on an H200 the separate
 # combine won at every point measured, down to 256 pairs (docs/perf/kernels-breakdown-h200.md);
-# below that it is unmeasured, and T = 1 must stay at three launches.
+# below that it is unmeasured, and T = 1 must stay at two launches (pair blocks, kernels/routing.py).
 SEPARATE_MIN_PAIRS = 256
 
 
@@ -77,12 +78,13 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr
                   TOPK: tl.constexpr, KP2: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, IGROUP: tl.constexpr, INTERP: tl.constexpr, REMOTE: tl.constexpr,
-                  SEPARATE: tl.constexpr, SCALED: tl.constexpr):
-    pid_m, pid_n, expert = tile_expert(block_expert_ptr, n_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+                  SEPARATE: tl.constexpr, SCALED: tl.constexpr, PAIRS: tl.constexpr):
+    pid_m, pid_n, expert = tile_expert(block_expert_ptr, n_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M, ids_ptr,
+                                       emap_ptr, num_experts, PAIRS)
     if expert < 0:
         return
     e64 = expert.to(tl.int64)
-    rows, pair, row_ok = tile_rows(sorted_ptr, pid_m, num_pairs, BLOCK_M)
+    rows, pair, row_ok = tile_rows(sorted_ptr, pid_m, num_pairs, BLOCK_M, PAIRS)
     pair64 = pair.to(tl.int64)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < hidden
@@ -209,7 +211,7 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
           block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int, group_m: int = 8,
           remote: "RemoteOutput | None" = None, separate: bool = False, hidden: int | None = None,
           mx_big: bool = False, w2_rowexp: torch.Tensor | None = None, mx_flush: bool = False,
-          split_k: int = 1, maxnreg: int = 0) -> None:
+          split_k: int = 1, maxnreg: int = 0, pairs: bool = False) -> None:
     """out[t] = sum_k w[t,k] * (act[row(t,k)] @ w2[e]^T (+bias)), deterministic combine.
 
     remote: push the results to the source ranks instead of `out` (see the module docstring).
@@ -219,6 +221,8 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
     exponents w2_rowexp (uint8 [E, H]) and mx_flush (atom_moe/layouts/mx_quads.py). split_k > 1
     splits K (I) that many ways over a second grid axis (decode batches, local counter combine:
     `partial` then holds split_k * T * k rows). maxnreg > 0 caps the registers per thread (NVIDIA).
+    pairs: GEMM1 ran with pair blocks (kernels/routing.py `PairBlocks`): row block b is pair b, whose
+    activation row is b; sorted_ids / block_expert are unread and n_blocks is T * top_k.
     """
     fp8 = a_scale is not None  # e4m3 activations (fp8, a8w4)
     w4 = w2.dtype == torch.uint8  # MXFP4 weights (a16w4, a8w4): MX tiles [E, H/16, I/64, 512]
@@ -255,6 +259,9 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
         raise ValueError(f"GEMM2 split_k={split_k}: split-K runs with the local counter combine only "
                          f"(not separate, not remote)")
     split = check_split("GEMM2", split_k, num_tokens * top_k, hidden, inter, block_k, partial)
+    if pairs and (n_blocks != num_tokens * top_k or remote is not None):
+        raise ValueError(f"GEMM2 pair blocks: n_blocks must be T * top_k = {num_tokens * top_k} (got {n_blocks}), "
+                         f"local output only")
     # BIG is each MX layout's one compile-time switch: a16w4's scales above 128, a8w4's flushed blocks
     grid = (n_blocks * triton.cdiv(hidden, block_n), split)
     _gemm2_kernel[grid](
@@ -266,6 +273,6 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
         triton.cdiv(triton.cdiv(inter, block_k), split) * block_k, SPLIT=split, FP8=fp8, W4=w4, BIG=w4 and (mx_flush if fp8 else mx_big), HAS_BIAS=w2_bias is not None, TOPK=top_k,
         KP2=triton.next_power_of_2(top_k),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, IGROUP=igroup, INTERP=interpreting(),
-        REMOTE=remote is not None, SEPARATE=separate, SCALED=w4 and fp8 and scaled_dot(a.device, block_k),
+        REMOTE=remote is not None, SEPARATE=separate, SCALED=w4 and fp8 and scaled_dot(a.device, block_k), PAIRS=pairs,
         num_warps=num_warps, num_stages=num_stages, **register_cap(maxnreg),
     )

@@ -26,18 +26,34 @@ from .mxfp4 import row_factor, scale_step, swap_step, tile_offsets
 
 
 @triton.jit
-def tile_expert(block_expert_ptr, n_blocks, n_col_tiles, GROUP_M: tl.constexpr):
-    """(pid_m, pid_n, expert) of this program: its row block, column tile and the block's expert (-1: idle)."""
+def tile_expert(block_expert_ptr, n_blocks, n_col_tiles, GROUP_M: tl.constexpr, ids_ptr, emap_ptr, num_experts,
+                PAIRS: tl.constexpr):
+    """(pid_m, pid_n, expert) of this program: its row block, column tile and the block's expert (-1: idle).
+
+    PAIRS: no routing sort ran; row block b is (token, slot) pair b alone, its expert read from
+    topk_ids through expert_map (-1 for sentinels and experts of other ranks)."""
     pid_m, pid_n = tile_ids(n_blocks, n_col_tiles, GROUP_M)
-    return pid_m, pid_n, tl.load(block_expert_ptr + pid_m)
+    if PAIRS:
+        gid = tl.load(ids_ptr + pid_m).to(tl.int32)
+        ok = (gid >= 0) & (gid < num_experts)
+        expert = tl.where(ok, tl.load(emap_ptr + gid, mask=ok, other=-1), -1)
+    else:
+        expert = tl.load(block_expert_ptr + pid_m)
+    return pid_m, pid_n, expert
 
 
 @triton.jit
-def tile_rows(sorted_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
-    """(rows, pair, row_ok) of row block pid_m: its rows of the sorted pair list, their (token, slot)
-    pairs and which rows hold one (padding rows hold num_pairs)."""
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
+def tile_rows(sorted_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr):
+    """(rows, pair, row_ok) of row block pid_m: its rows of the sorted pair list (PAIRS: the pair's own
+    row first, the rest padding), their (token, slot) pairs and which rows hold one (padding rows hold
+    num_pairs)."""
+    i = tl.arange(0, BLOCK_M)
+    if PAIRS:  # GEMM1's output row is the pair's index: GEMM2 reads it back the same way
+        rows = tl.where(i == 0, pid_m, 0)
+        pair = tl.where(i == 0, pid_m, num_pairs)
+    else:
+        rows = pid_m * BLOCK_M + i
+        pair = tl.load(sorted_ptr + rows)
     return rows, pair, pair < num_pairs
 
 

@@ -1,7 +1,7 @@
 """Routing metadata: sort (token, slot) pairs by local expert, padded per expert to BLOCK_M.
 
 One launch does all the per-call preparation the GEMMs need, so a small call stays at three
-launches (this, GEMM1, GEMM2):
+launches (this, GEMM1, GEMM2); at T = 1 GEMM1 does it instead (PairBlocks: two launches):
   program 0      : counts pairs per local expert, writes the padded sorted pair list and
                    the per-block expert table (-1 = no work);
   programs 1..   : one per (token, 1024-column chunk): zero the token's GEMM2 combine
@@ -29,6 +29,8 @@ Sizes are static functions of (T, top_k, E_l, BLOCK_M), so both paths are graph-
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -38,14 +40,28 @@ from .common import FP8_MAX, cast, interpreting
 # Pairs above which the sort runs as two launches. Program 0 costs 5-8 us per 1024 pairs; on
 # an H200 the split took DeepSeek-V3's routing from 122 to 43 us at 16k pairs and from 406 to
 # 94 us at 64k (docs/perf/kernels-breakdown-h200.md). At or below 4096 it was not measured
-# against the split; the threshold keeps decode-size calls (T <= 512 at top-8) and T = 1
-# (three launches in all) on the one-launch path. Symm receive rows (SENT) are sized by
+# against the split; the threshold keeps decode-size calls (T <= 512 at top-8) on the one-launch
+# path (T = 1 skips this launch: PairBlocks). Symm receive rows (SENT) are sized by
 # capacity W*C*k, not by the tokens that arrived, so they split above it even when few rows
 # came (chunks of unsent rows read no ids; program 0 would read only the sent rows).
 # Read at call time: tests lower it.
 SPLIT_PAIRS = 4096
 SORT_CHUNK = 1024  # pairs per split-sort program (a power of 2: one tl.sort in registers)
 FILL_BLOCKS = 64  # row blocks whose padding and block_expert one launch-B program writes (multiple of 16)
+
+
+@dataclass(frozen=True)
+class PairBlocks:
+    """A call routed without the sort: row block b is (token, slot) pair b alone, and GEMM1 does the
+    routing launch's per-token work (kernels/gemm1.py `token_duties`). Worth it where no expert takes
+    two pairs, as at T = 1: the layer is then two launches."""
+
+    topk_ids: torch.Tensor  # [T, k]
+    expert_map: torch.Tensor  # int32 [E]: local expert or -1
+    x: torch.Tensor  # [T, H] the layer input (quantized by GEMM1 for e4m3 activations)
+    out: torch.Tensor  # [T, H] the layer output (rows no local expert writes are zeroed)
+    counters: torch.Tensor  # int32 [>= T * n_counters]: GEMM2's combine counters, zeroed
+    n_counters: int
 
 
 def max_blocks(num_pairs: int, num_local: int, block_m: int) -> int:
@@ -67,8 +83,7 @@ def _row_sent(info_ptr, row, mask, capacity):
 
 
 @triton.jit
-def _local_expert(ids_ptr, emap_ptr, pair, mask, num_experts, info_ptr, capacity,
-                  TOPK: tl.constexpr, SENT: tl.constexpr):
+def _local_expert(ids_ptr, emap_ptr, pair, mask, num_experts, info_ptr, capacity, TOPK, SENT: tl.constexpr):
     """Local expert of each pair, -1 for sentinels (outside [0, E)), non-local experts and unsent rows."""
     if SENT:
         mask = _row_sent(info_ptr, pair // TOPK, mask, capacity)
@@ -242,29 +257,54 @@ def _token_work(t64, chunk, ids_ptr, emap_ptr, x_ptr, stride_x, xq_ptr, xs_ptr, 
                 TOPK: tl.constexpr, KP2: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
                 GPC: tl.constexpr, CCHUNK: tl.constexpr, EMULATE: tl.constexpr, SENT: tl.constexpr):
     if chunk == 0:
-        for start in range(0, n_counters, CCHUNK):
-            c = start + tl.arange(0, CCHUNK)
-            tl.store(counters_ptr + t64 * n_counters + c, tl.zeros([CCHUNK], dtype=tl.int32), mask=c < n_counters)
+        zero_counters(t64, counters_ptr, n_counters, CCHUNK)
+    n_local = local_slots(t64, ids_ptr, emap_ptr, num_experts, info_ptr, capacity, TOPK, KP2, SENT)
+    if not SENT:
+        if n_local == 0:
+            zero_row(t64, chunk, out_ptr, stride_out, hidden, GROUP, GPC)
+    if QUANT:
+        if n_local > 0:  # a token no local expert reads needs no quantized copy
+            quant_row(t64, chunk, x_ptr, stride_x, xq_ptr, xs_ptr, hidden, GROUP, GPC, EMULATE)
+
+
+@triton.jit
+def zero_counters(t64, counters_ptr, n_counters, CCHUNK: tl.constexpr):
+    """Zero token t64's GEMM2 combine counters."""
+    for start in range(0, n_counters, CCHUNK):
+        c = start + tl.arange(0, CCHUNK)
+        tl.store(counters_ptr + t64 * n_counters + c, tl.zeros([CCHUNK], dtype=tl.int32), mask=c < n_counters)
+
+
+@triton.jit
+def local_slots(t64, ids_ptr, emap_ptr, num_experts, info_ptr, capacity, TOPK, KP2: tl.constexpr, SENT: tl.constexpr):
+    """How many of token t64's TOPK slots (TOPK <= KP2; a runtime value in GEMM1) go to a local expert."""
     j = tl.arange(0, KP2)
     loc = _local_expert(ids_ptr, emap_ptr, t64 * TOPK + j, j < TOPK, num_experts, info_ptr, capacity, TOPK, SENT)
-    n_local = tl.sum((loc >= 0).to(tl.int32), 0)
+    return tl.sum((loc >= 0).to(tl.int32), 0)
+
+
+@triton.jit
+def zero_row(t64, chunk, out_ptr, stride_out, hidden, GROUP: tl.constexpr, GPC: tl.constexpr):
+    """Zero columns [chunk * GPC * GROUP, +GPC * GROUP) of output row t64 (a token no local expert writes)."""
+    k = (chunk * GPC + tl.arange(0, GPC))[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    tl.store(out_ptr + t64 * stride_out + k, tl.zeros([GPC, GROUP], dtype=out_ptr.dtype.element_ty), mask=k < hidden)
+
+
+@triton.jit
+def quant_row(t64, chunk, x_ptr, stride_x, xq_ptr, xs_ptr, hidden, GROUP: tl.constexpr, GPC: tl.constexpr,
+              EMULATE: tl.constexpr):
+    """e4m3 copy of columns [chunk * GPC * GROUP, +GPC * GROUP) of x row t64, one fp32 scale per GROUP."""
     g = chunk * GPC + tl.arange(0, GPC)
     k = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     km = k < hidden
-    if not SENT:
-        if n_local == 0:
-            tl.store(out_ptr + t64 * stride_out + k, tl.zeros([GPC, GROUP], dtype=out_ptr.dtype.element_ty),
-                     mask=km)
-    if QUANT:
-        if n_local > 0:  # a token no local expert reads needs no quantized copy
-            v = tl.load(x_ptr + t64 * stride_x + k, mask=km, other=0.0).to(tl.float32)
-            amax = tl.max(tl.abs(v), 1)
-            # + sum(|v| * 0): NaN for a group holding NaN or Inf (the scale goes NaN, formats.md), else 0
-            scale = tl.where(amax > 0, amax / FP8_MAX, 1.0) + tl.sum(tl.abs(v) * 0.0, 1)
-            q = tl.clamp(v / scale[:, None], -FP8_MAX, FP8_MAX)
-            tl.store(xq_ptr + t64 * hidden + k, cast(q, xq_ptr.dtype.element_ty, EMULATE), mask=km)
-            n_groups = tl.cdiv(hidden, GROUP)
-            tl.store(xs_ptr + t64 * n_groups + g, scale, mask=g < n_groups)
+    v = tl.load(x_ptr + t64 * stride_x + k, mask=km, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(v), 1)
+    # + sum(|v| * 0): NaN for a group holding NaN or Inf (the scale goes NaN, formats.md), else 0
+    scale = tl.where(amax > 0, amax / FP8_MAX, 1.0) + tl.sum(tl.abs(v) * 0.0, 1)
+    q = tl.clamp(v / scale[:, None], -FP8_MAX, FP8_MAX)
+    tl.store(xq_ptr + t64 * hidden + k, cast(q, xq_ptr.dtype.element_ty, EMULATE), mask=km)
+    n_groups = tl.cdiv(hidden, GROUP)
+    tl.store(xs_ptr + t64 * n_groups + g, scale, mask=g < n_groups)
 
 
 @triton.jit

@@ -130,9 +130,14 @@ def _exercise() -> None:
             wx, ww, wids = random_tokens(wide, T, generator=g)
             for config in split_rows:
                 fused_experts(wx, ww, wids, wide_weights, wide, config=config)
-        # split-K GEMM1 (both launches) and GEMM2, as tune may pick them for decode
+                fused_experts(wx[:1], ww[:1], wids[:1], wide_weights, wide, config=config)  # T = 1: pair blocks
+        # split-K GEMM1 (both launches) and GEMM2, as tune may pick them for decode; and T = 1's pair blocks
+        # (no routing launch, kernels/routing.py) for every config T = 1 may pick, split or not
         for config in {c for c in configs.get(scheme, ()) if c.block_m == tuning.MIN_BLOCK_M}:
-            fused_experts(x, w, ids, weights, spec, config=dataclasses.replace(config, split_k1=2, split_k2=2))
+            split = dataclasses.replace(config, split_k1=2, split_k2=2)
+            fused_experts(x, w, ids, weights, spec, config=split)
+            for c in (dataclasses.replace(config, split_k1=1, split_k2=1), split):
+                fused_experts(x[:1], w[:1], ids[:1], weights, spec, config=c)
         for wire in ("bf16", "fp8") if spec.scheme.fp8_activations else ("bf16",):
             _exercise_symm(spec, raw, wire, T, g)
     _exercise_served(g)
@@ -167,8 +172,10 @@ def served_configs(scheme: str, specs) -> list[tuning.TileConfig]:
 def _exercise_served(g: torch.Generator) -> None:
     """The served presets (atom_moe.presets.SERVED) in their schemes, at H = I = 64: the kernels specialize on
     their E (257 with a fused shared slot, 384: 512 histogram bins), top-k (9, 6) and tiles, not on H and I
-    beyond their divisibility by 16, which 64 shares. Every heuristic pick for their real shapes with both
-    combines and the one- and two-launch routing sort, and the symm transport at EP 2 once per geometry."""
+    beyond their divisibility by 16, which 64 shares (T = 1's GEMM1 also on H in 128-groups: 1 here;
+    scripts/hip_compile.py builds the real ones). Every heuristic pick for their real shapes with both
+    combines, the one- and two-launch routing sort and T = 1's pair blocks, and the symm transport at EP 2
+    once per geometry."""
     from atom_moe.experts import fused_experts
     from atom_moe.presets import PRESETS, SERVED
     from atom_moe.tools.synthetic import random_layer, random_tokens
@@ -183,9 +190,13 @@ def _exercise_served(g: torch.Generator) -> None:
             raw = random_layer(spec, generator=g)
             weights = prepare_stacked(spec, raw.w13, raw.w2, layout="separated")
             x, w, ids = random_tokens(spec, T, generator=g)
+            one_token = {tuning.heuristic(scheme, s.hidden_size, s.intermediate_size, s.num_experts, s.top_k, 1)
+                         for s in same}
             for config in served_configs(scheme, same):
                 for combine in ("counter", "separate"):
                     fused_experts(x, w, ids, weights, spec, config=config, combine=combine)
+                if config in one_token:  # T = 1: pair blocks
+                    fused_experts(x[:1], w[:1], ids[:1], weights, spec, config=config)
                 split, routing.SPLIT_PAIRS = routing.SPLIT_PAIRS, 0  # the two-launch sort of large T
                 try:
                     fused_experts(x, w, ids, weights, spec, config=config)

@@ -10,7 +10,9 @@ that runs tl.dot_scaled on gfx950), and the heuristic's pick for every preset
 (and the seed shapes of the bench) at every token bucket, per scheme, GEMM2 built at top-k 8 with the
 separate combine; and for the served presets (atom_moe.presets.SERVED: top-k 9 and 6) GEMM2 exactly as
 their heuristic picks launch it in their schemes (a8w4 too for GLM-5.2's MXFP4), with the combine each
-token bucket takes (kernels/gemm2.py's SEPARATE_MIN_PAIRS). On AMD the a8w4 e4m3
+token bucket takes (kernels/gemm2.py's SEPARATE_MIN_PAIRS); and both GEMMs as T = 1 launches them, with
+pair blocks (no routing launch: GEMM1 specializes on the row's 128-groups and top-k, kernels/routing.py),
+for the T = 1 pick of every preset. On AMD the a8w4 e4m3
 decode takes its portable path (kernels/mxfp4.py's PRMT switch is PTX-only: off on a ROCm
 torch), so this script turns that switch off for the HIP build, as a ROCm torch would; on
 gfx950 a8w4 is built with SCALED (tl.dot_scaled) where `mxfp4.scaled_dot` picks it (128-k steps).
@@ -39,17 +41,39 @@ SCHEMES = compile_all.SCHEMES
 
 
 def variants(schemes: tuple[str, ...]) -> set[tuple]:
-    """(kernel, scheme, block_m, block_n, block_k, warps, stages, top_k, separate) for every config the lookup
-    can return, and a8w4's GEMM1 also at 128-k steps (GEMM1 does not specialize on the last two: 8, True)."""
+    """(kernel, scheme, block_m, block_n, block_k, warps, stages, top_k, separate, pairs_hidden) for every config
+    the lookup can return, and a8w4's GEMM1 also at 128-k steps (GEMM1 specializes on neither top_k nor
+    separate: 8, True; pairs_hidden 0: the routing launch ran), then the T = 1 pair-block launches."""
     out = set()
     for scheme, configs in compile_all.table_configs(schemes).items():
         for c in configs:
-            out.add(("gemm1", scheme, c.block_m, c.block_n1, c.block_k1, c.warps1, c.stages1, 8, True))
-            out.add(("gemm2", scheme, c.block_m, c.block_n2, c.block_k2, c.warps2, c.stages2, 8, True))
+            out.add(("gemm1", scheme, c.block_m, c.block_n1, c.block_k1, c.warps1, c.stages1, 8, True, 0))
+            out.add(("gemm2", scheme, c.block_m, c.block_n2, c.block_k2, c.warps2, c.stages2, 8, True, 0))
     # a8w4 GEMM1 at 128-k steps too: a pick `atom-moe tune` may make, and on gfx950 the one that runs
     # tl.dot_scaled (the tables and the heuristic step by 64)
     out |= {u[:4] + (128,) + u[5:] for u in out if u[:2] == ("gemm1", "a8w4")}
-    return out | served_variants(schemes)
+    return out | served_variants(schemes) | pair_variants(schemes)
+
+
+def pair_variants(schemes: tuple[str, ...]) -> set[tuple]:
+    """Both GEMMs with pair blocks (T = 1) for each preset's T = 1 pick, its table row or the heuristic's. GEMM1
+    specializes on the row's 128-groups (rounded up to a power of two) and top-k, GEMM2 on top-k: one
+    shape stands for each distinct pair of those."""
+    from atom_moe.kernels.tuning import lookup
+    from atom_moe.presets import PRESETS
+    out, seen = set(), set()
+    for s in PRESETS.values():
+        for scheme in schemes:
+            c = lookup("nvidia h200", scheme, s.hidden_size, s.intermediate_size, s.num_experts, s.top_k, 1)
+            key = (scheme, c, s.top_k, triton.next_power_of_2(-(-s.hidden_size // 128)))
+            if key in seen:
+                continue
+            seen.add(key)
+            out.add(("gemm1", scheme, c.block_m, c.block_n1, c.block_k1, c.warps1, c.stages1, s.top_k, False,
+                     s.hidden_size))
+            out.add(("gemm2", scheme, c.block_m, c.block_n2, c.block_k2, c.warps2, c.stages2, s.top_k, False,
+                     s.hidden_size))
+    return out
 
 
 def served_variants(schemes: tuple[str, ...]) -> set[tuple]:
@@ -65,19 +89,19 @@ def served_variants(schemes: tuple[str, ...]) -> set[tuple]:
             for tokens in compile_all.TOKENS:
                 c = heuristic(scheme, s.hidden_size, s.intermediate_size, s.num_experts, s.top_k, tokens)
                 out.add(("gemm2", scheme, c.block_m, c.block_n2, c.block_k2, c.warps2, c.stages2, s.top_k,
-                         tokens * s.top_k >= SEPARATE_MIN_PAIRS))
+                         tokens * s.top_k >= SEPARATE_MIN_PAIRS, 0))
     return out
 
 
 def compile_hip(kernel: str, scheme: str, bm: int, bn: int, bk: int, warps: int, stages: int, top_k: int,
-                separate: bool, arch: str) -> int:
+                separate: bool, pairs_hidden: int, arch: str) -> int:
     """Build one variant for `arch`; return the hsaco's size in bytes."""
     fn, sig, div = kernel_sass.signature(kernel, scheme)
     if kernel == "gemm2" and not separate:  # the counter combine's partials are the fp32 workspace
         sig = {**sig, "partial_ptr": "*fp32"}
     # a8w4 through tl.dot_scaled where kernels/mxfp4.py's scaled_dot picks it by default (gfx950, 128-k steps)
     ce = kernel_sass.constexprs(kernel, scheme, bm, bn, bk, top_k, separate,
-                                scaled=mxfp4.scaled_by_default(arch, bk))
+                                scaled=mxfp4.scaled_by_default(arch, bk), pairs_hidden=pairs_hidden)
     names = list(sig) + list(ce)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in div}
     src = ASTSource(fn, {**sig, **{k: "constexpr" for k in ce}}, constexprs=ce, attrs=attrs)

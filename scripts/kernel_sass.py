@@ -63,9 +63,12 @@ def signature(kernel: str, scheme: str) -> tuple[object, dict, list[str]]:
                "out_ptr": act,
                "outs_ptr": "*fp32", "num_pairs": "i32", "top_k": "i32", "hidden": "i32", "inter": "i32",
                "n_blocks": "i32", "alpha": "fp32", "limit": "fp32", "row_blocks": "i32", "k_blocks": "i32",
-               "part_ptr": "*fp32", "k_span": "i32"}
+               "part_ptr": "*fp32", "k_span": "i32", "ids_ptr": "*i32", "emap_ptr": "*i32", "num_experts": "i32",
+               "src_ptr": "*bf16", "stride_src": "i32", "counters_ptr": "*i32", "n_counters": "i32",
+               "layer_out_ptr": "*bf16", "stride_layer_out": "i32"}
         div = ["x_ptr", "stride_x", "xs_ptr", "w_ptr", "ws_ptr", "bias_ptr", "sorted_ptr", "block_expert_ptr",
-               "out_ptr", "outs_ptr", "hidden", "inter"]
+               "out_ptr", "outs_ptr", "hidden", "inter", "ids_ptr", "emap_ptr", "src_ptr", "stride_src",
+               "counters_ptr", "layer_out_ptr", "stride_layer_out"]
         return _gemm1_kernel, sig, div
     sig = {"a_ptr": act, "as_ptr": "*fp32", "w_ptr": weight, "ws_ptr": scale, "rowexp_ptr": "*u8",
            "bias_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "ids_ptr": "*i32",
@@ -80,16 +83,19 @@ def signature(kernel: str, scheme: str) -> tuple[object, dict, list[str]]:
 
 
 def constexprs(kernel: str, scheme: str, block_m: int, block_n: int, block_k: int, top_k: int,
-               separate: bool = True, scaled: bool = False) -> dict:
+               separate: bool = True, scaled: bool = False, pairs_hidden: int = 0) -> dict:
     """The launchers' compile-time switches for a local-output call (GEMM2: the separate combine's, or with
-    separate=False the counter combine's of a three-launch call); scaled: a8w4 through tl.dot_scaled."""
+    separate=False the counter combine's of a three-launch call); scaled: a8w4 through tl.dot_scaled;
+    pairs_hidden > 0: a pair-block call (T = 1, no routing launch, kernels/routing.py) of that H."""
     common = dict(FP8=scheme in ("fp8", "a8w4"), W4=scheme in ("a16w4", "a8w4"), BIG=False, HAS_BIAS=True,
                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
                   IGROUP=Scheme(scheme).inter_group, INTERP=False, SCALED=scaled and scheme == "a8w4")
     if kernel == "gemm1":
-        return {**common, "OAI": True, "CLAMP": False, "SPLIT": 1, "PHASE": 0}
+        pairs = dict(PAIRS=True, KP2=triton.next_power_of_2(top_k), HG=triton.next_power_of_2(-(-pairs_hidden // 128))) \
+            if pairs_hidden else dict(PAIRS=False, KP2=1, HG=1)
+        return {**common, "OAI": True, "CLAMP": False, "SPLIT": 1, "PHASE": 0, **pairs}
     return {**common, "TOPK": top_k, "KP2": triton.next_power_of_2(top_k), "REMOTE": False, "SEPARATE": separate,
-            "SPLIT": 1}
+            "SPLIT": 1, "PAIRS": pairs_hidden > 0}
 
 
 def loop_body(sass: str) -> list[str]:
@@ -110,8 +116,10 @@ def loop_body(sass: str) -> list[str]:
 def compile_sass(args: argparse.Namespace) -> tuple[dict, str]:
     """Compile for sm_90a; return (report, SASS text)."""
     fn, sig, div = signature(args.kernel, args.scheme)
+    if args.kernel == "gemm2" and args.pairs_hidden:  # the counter combine's partials are the fp32 workspace
+        sig = {**sig, "partial_ptr": "*fp32"}
     ce = constexprs(args.kernel, args.scheme, args.block_m, args.block_n, args.block_k, args.top_k,
-                    scaled=args.scaled)
+                    separate=not args.pairs_hidden, scaled=args.scaled, pairs_hidden=args.pairs_hidden)
     names = list(sig) + list(ce)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in div}
     src = ASTSource(fn, {**sig, **{k: "constexpr" for k in ce}}, constexprs=ce, attrs=attrs)
@@ -164,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-k", type=int, default=128)
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--stages", type=int, default=3)
-    p.add_argument("--top-k", type=int, default=4, help="GEMM2's combine width")
+    p.add_argument("--top-k", type=int, default=4, help="GEMM2's combine width (and GEMM1's with --pairs-hidden)")
+    p.add_argument("--pairs-hidden", type=int, default=0, help="compile the T = 1 pair-block variant (no routing "
+                   "launch; GEMM1 quantizes x itself) for this H (0: the sorted path's)")
     p.add_argument("--maxnreg", type=int, default=0, help="register cap per thread, as a tile config's maxnreg1/2 (0: none)")
     p.add_argument("--scaled", action="store_true", help="a8w4 through tl.dot_scaled (gfx950's path; on sm_90a "
                    "Triton decomposes it)")

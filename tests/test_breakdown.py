@@ -69,6 +69,21 @@ def test_kernel_terms_by_hand(scheme):
     assert (terms["routing"].flops, terms["gemm1"].flops, terms["gemm2"].flops) == (0, GEMM1_FLOPS, GEMM2_FLOPS)
 
 
+def test_kernel_terms_with_pair_blocks():
+    # T = 1, no routing launch: GEMM1 reads the ids, zeroes the counters and (fp8) quantizes x itself;
+    # nobody writes a sorted pair list. By hand: 2 pairs, 8 counters, 2 groups of 128 in H = 256
+    terms = kernel_terms("fp8", H, I, 1, K, 2, pair_blocks=True)
+    assert set(terms) == {"gemm1", "gemm2"}
+    assert terms["gemm1"].bytes_by_term == {
+        "topk_ids read": 2 * 4, "counters zero": 8 * 4, "x read": 256 * 2, "x_q write": 256, "x_scale write": 2 * 4,
+        "w13": 2 * 384 * 256, "w13 scales": 2 * 32, "x rows read": 256, "x scales read": 2 * 4,
+        "inter write": 2 * 192, "inter scales write": 2 * 2 * 4}
+    assert terms["gemm1"].flops == 2 * 2 * 384 * 256
+    assert terms["gemm2"] == kernel_terms("fp8", H, I, 1, K, 2)["gemm2"]
+    assert set(kernel_terms("bf16", H, I, 1, K, 2, pair_blocks=True)["gemm1"].bytes_by_term) == {
+        "topk_ids read", "counters zero", "w13", "x rows read", "inter write"}
+
+
 def test_kernel_terms_scale_with_hits_and_tokens():
     # weights scale with distinct experts only; activations with tokens only
     one, two = kernel_terms("fp8", H, I, T, K, 1), kernel_terms("fp8", H, I, T, K, 2)
@@ -103,6 +118,7 @@ def test_active_programs_counts_used_blocks():
     # block_m 2: expert 0 takes 2 blocks -> 4 used of 6 // 2 + 4 = 7; 21 programs = 7 blocks x 3 tiles
     assert breakdown.active_programs("gemm2", 21, ids, 4, 2, 2) == 12
     assert breakdown.active_programs("routing", 7, ids, 4, 2, 16) == 7
+    assert breakdown.active_programs("gemm1", 10, ids[:1], 4, 2, 16, pair_blocks=True) == 10  # 2 pairs x 5 tiles
 
 
 def _device() -> str | None:
@@ -164,6 +180,23 @@ def test_measure_rows_replays_each_launch_alone(scheme):
         breakdown._print_row(r, "[0.0 s]")
     table = breakdown.markdown(rows).splitlines()
     assert len(table) == 2 + 4 and all(line.count("|") == table[0].count("|") for line in table)
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+def test_measure_rows_at_one_token(scheme):
+    # T = 1 is two launches (pair blocks): GEMM1's row carries the routing work's bytes, and the lone
+    # GEMM2 replay still rebuilds the output
+    pytest.importorskip("triton")
+    if _device() is None:
+        pytest.skip("needs a CUDA GPU or TRITON_INTERPRET=1")
+    spec, weights, ws, x, w, ids = _tiny_layer(scheme)
+    rows = breakdown.measure_rows(CallTimer(), spec, weights, ws, x[:1], w[:1], ids[:1], CEIL, sms=132)
+    assert [r["kernel"] for r in rows] == ["gemm1", "gemm2", "layer"]
+    terms = kernel_terms(scheme, 128, 64, 1, 2, 2, pair_blocks=True)
+    for r in rows[:2]:
+        assert (r["bytes"], r["flops"]) == (terms[r["kernel"]].bytes, terms[r["kernel"]].flops)
+        assert r["programs"] == r["active_programs"]
+    assert rows[2]["note"] == "sum of kernels 4.0 us"
 
 
 def test_measure_rows_separate_combine_and_split_sort(monkeypatch):

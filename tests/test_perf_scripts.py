@@ -143,8 +143,14 @@ def test_every_table_variant_builds_for_amd():
     assert scaled and all(f[0] == "gfx950" and f[2] == "a8w4" and int(f[5]) >= 128 for f in scaled)
     # the served presets' GEMM2 as their heuristic picks launch it: top-k 9 (GLM-5.2) and 6 (V4.1), both
     # combines (fields: arch kernel scheme bm bn bk warps stages top_k separate)
-    served = {(f[0], f[8], f[9].rstrip(":")) for f in (line.split() for line in built) if f[1] == "gemm2"}
+    served = {(f[0], f[8], f[9]) for f in (line.split() for line in built) if f[1] == "gemm2"}
     assert {(a, k, sep) for a in ("gfx942", "gfx950") for k in ("9", "6") for sep in ("True", "False")} <= served
+    # T = 1's pair blocks (last field: H) for every scheme, both GEMMs, at each served top-k and gpt-oss's H 2880
+    pairs = {(f[0], f[1], f[2], f[8], f[10].rstrip(":")) for f in (line.split() for line in built) if f[10] != "0:"}
+    assert {(a, g, s, "9", "6144") for a in ("gfx942", "gfx950") for g in ("gemm1", "gemm2")
+            for s in ("bf16", "fp8", "a16w4", "a8w4")} <= pairs
+    assert {(a, g, s, "4", "2880") for a in ("gfx942", "gfx950") for g in ("gemm1", "gemm2")
+            for s in ("bf16", "fp8", "a16w4", "a8w4")} <= pairs
 
 
 def test_hip_compile_reports_a_failing_variant(tmp_path):
@@ -187,6 +193,11 @@ def test_every_launch_of_the_ops_builds_for_sm_90a():
         for sep in ("True", "False"):
             assert has("_gemm2_kernel", f"TOPK={k}", f"KP2={kp2}", f"SEPARATE={sep}"), (k, sep)
         assert has("_combine_kernel", f"TOPK={k}") and has("_dispatch_kernel", f"TOPK={k}"), k
+        assert has("_gemm1_kernel", "PAIRS=True", f"KP2={kp2}") and has("_gemm2_kernel", "PAIRS=True", f"TOPK={k}"), k
+    # T = 1's pair blocks (no routing launch) in every scheme, split-K's two GEMM1 launches too
+    for flag in ("FP8=True W4=True", "FP8=True W4=False", "FP8=False W4=True", "FP8=False W4=False"):
+        for phase in ("PHASE=0", "PHASE=1", "PHASE=2"):
+            assert has("_gemm1_kernel", "PAIRS=True", phase, *flag.split()), (flag, phase)
 
 
 def test_compile_all_reports_a_failing_build():
@@ -338,3 +349,14 @@ def test_tk_routing_any_topk_matches_the_ids(vllm_src, monkeypatch, T, E, k):
         assert sorted(int(v) for v in pid_map if v >= 0) == want
     with pytest.raises(ValueError, match="cannot select experts"):
         tk_baseline.tk_routing(logits, None, k, E)
+
+
+def test_pair_blocks_ab_needs_a_gpu():
+    # the T = 1 A/B (pair blocks against the sorted path) is a GPU timing script: without one it says so
+    script = str(ROOT / "scripts" / "pair_blocks_ab.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert proc.returncode == 0 and "--rounds" in proc.stdout
+    if not torch.cuda.is_available():
+        proc = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, cwd=ROOT)
+        assert proc.returncode == 1 and "needs a CUDA GPU" in proc.stderr

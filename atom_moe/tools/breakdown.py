@@ -1,9 +1,9 @@
 """`atom-moe breakdown`: time each launch of the fused experts layer against its own floor.
 
 The layer is three Triton launches: routing metadata (kernels/routing.py), GEMM1 (+SwiGLU,
-+fp8 quant; kernels/gemm1.py) and GEMM2 (+weighted combine; kernels/gemm2.py); at large T
-the routing sort takes a second launch ("routing.sort") and the combine its own ("combine",
-`--combine` forces either combine). Per
++fp8 quant; kernels/gemm1.py) and GEMM2 (+weighted combine; kernels/gemm2.py); at T = 1 two
+(pair blocks: GEMM1 does the routing launch's work); at large T the routing sort takes a second
+launch ("routing.sort") and the combine its own ("combine", `--combine` forces either combine). Per
 (shape, scheme, T) this builds the bench's synthetic layer (common.random_weights,
 common.make_routing), calls fused_experts once (tile config from kernels.tuning.lookup,
 exactly as the layer resolves it) with every Triton launch recorded (kernel, grid,
@@ -86,7 +86,7 @@ def _weight_bytes(scheme: str, rows: int, cols: int) -> int:
 
 def kernel_terms(scheme: str, H: int, I: int, T: int, top_k: int, n_hit: int, *,
                  x_bytes: int = 2, id_bytes: int = 4, separate: bool = False,
-                 split_sort: bool = False) -> dict[str, KernelTerms]:
+                 split_sort: bool = False, pair_blocks: bool = False) -> dict[str, KernelTerms]:
     """Bytes each launch must move and flops it must do, for T tokens at EP size 1.
 
     pairs = T * top_k (every slot local), n_hit = distinct experts hit. Activations are
@@ -112,6 +112,8 @@ def kernel_terms(scheme: str, H: int, I: int, T: int, top_k: int, n_hit: int, *,
     split_sort (the routing sort over two launches, kernels/routing.py): `routing.sort`, the
         second launch, reads topk_ids again and writes the sorted pair list (moved there
         from `routing`).
+    pair_blocks (T = 1: no routing launch, kernels/routing.py): GEMM1 does the routing launch's work
+        and takes its terms, less the sorted pair list it does not write.
     The sum over kernels exceeds common.floor_terms (the layer's compulsory I/O) by the
     intermediate round trips (activation, partials) and the routing launch's own traffic.
     """
@@ -155,6 +157,10 @@ def kernel_terms(scheme: str, H: int, I: int, T: int, top_k: int, n_hit: int, *,
     else:
         gemm2 |= {"partial write": pairs * H * 4, "partial read": pairs * H * 4, "out write": T * H * x_bytes}
     terms["gemm2"] = KernelTerms(gemm2, 2 * pairs * H * I)
+    if pair_blocks:
+        del routing["sorted ids write"]
+        terms["gemm1"] = KernelTerms({**routing, **gemm1}, terms["gemm1"].flops)
+        return terms
     if split_sort:
         sort = {"topk_ids read": pairs * id_bytes, "sorted ids write": routing.pop("sorted ids write")}
         terms["routing.sort"] = KernelTerms(sort, 0)
@@ -183,9 +189,10 @@ def ctas_per_sm(info: dict[str, int | None], props: Any = None) -> int | None:
 
 
 def active_programs(stage: str, programs: int, ids: torch.Tensor, num_experts: int, top_k: int,
-                    block_m: int) -> int:
-    """Programs that do work: GEMM grids are max_blocks x tiles and blocks past the used ones exit."""
-    if stage not in ("gemm1", "gemm2"):
+                    block_m: int, pair_blocks: bool = False) -> int:
+    """Programs that do work: GEMM grids are max_blocks x tiles and blocks past the used ones exit (with
+    pair blocks every block is a pair, each with work at EP size 1)."""
+    if stage not in ("gemm1", "gemm2") or pair_blocks:
         return programs
     pairs = ids.numel()
     n_blocks = pairs // block_m + min(num_experts, pairs)  # kernels.routing.max_blocks
@@ -277,8 +284,9 @@ def measure_rows(timer: Any, spec: Any, weights: Any, ws: Any, x: torch.Tensor, 
     launches = record_launches(layer)
     ref = out.clone()
     stages = [launch.stage for launch in launches]
+    pair_blocks = "routing" not in stages
     terms = kernel_terms(scheme, H, I, T, k, n_hit, separate="combine" in stages,
-                         split_sort=stages.count("routing") > 1)
+                         split_sort=stages.count("routing") > 1, pair_blocks=pair_blocks)
     rows = []
     for i, launch in enumerate(launches):
         # the second routing launch is the split sort's scatter (kernels/routing.py)
@@ -286,7 +294,7 @@ def measure_rows(timer: Any, spec: Any, weights: Any, ws: Any, x: torch.Tensor, 
         us = timer.graph_us(launch, prepare=reset)
         info = compiled_info(launch.compiled)
         occ = ctas_per_sm(info, props)
-        active = active_programs(stage, launch.programs, ids, E, k, cfg.block_m)
+        active = active_programs(stage, launch.programs, ids, E, k, cfg.block_m, pair_blocks)
         r = dict(base, kernel=stage, us=round(us, 2), programs=launch.programs, active_programs=active,
                  ctas_per_sm_est=occ, waves_est=round(active / (sms * occ), 2) if occ else None, **info)
         t = terms.get(stage)
@@ -298,7 +306,7 @@ def measure_rows(timer: Any, spec: Any, weights: Any, ws: Any, x: torch.Tensor, 
     note = f"sum of kernels {sum(r['us'] for r in rows):.1f} us"
     if not torch.equal(out, ref):
         note += "; the last lone replay did not rebuild the layer's output (its time is suspect)"
-    if stages != ["routing", "gemm1", "gemm2"]:
+    if stages not in (["routing", "gemm1", "gemm2"], ["gemm1", "gemm2"]):
         note += f"; launches {stages}"
     nbytes, flops = common.floor_terms(spec, ids, x.element_size())
     rows.append(dict(base, kernel="layer", us=round(layer_us, 2), programs=sum(r["programs"] for r in rows),
