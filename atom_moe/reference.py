@@ -120,6 +120,15 @@ def reference_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     return out
 
 
+def local_experts_hit(p: PreparedWeights, topk_ids: torch.Tensor) -> list[int]:
+    """The local expert indices of `p` that topk_ids name, ascending (-1 / E sentinels and other ranks' experts
+    hit none)."""
+    ids = topk_ids.long()
+    ids = ids[(ids >= 0) & (ids < p.num_experts)]
+    local = p.expert_map[torch.unique(ids)]
+    return local[local >= 0].tolist()
+
+
 def reference_moe_prepared(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, p: PreparedWeights,
                            activation: Activation, *, act_quant: Scheme | None = None,
                            chunk: int = 16) -> torch.Tensor:
@@ -130,10 +139,7 @@ def reference_moe_prepared(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids
     """
     if chunk < 1:
         raise ValueError(f"chunk={chunk}; allowed: a positive number of experts")
-    ids = topk_ids.long()
-    ids = ids[(ids >= 0) & (ids < p.num_experts)]  # -1 / E sentinels hit no expert
-    local = p.expert_map[torch.unique(ids)]
-    hit = local[local >= 0].tolist()
+    hit = local_experts_hit(p, topk_ids)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for start in range(0, len(hit), chunk):
         ref = ReferenceWeights.from_prepared(p.restricted(hit[start:start + chunk]))

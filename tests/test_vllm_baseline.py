@@ -250,3 +250,18 @@ def test_vllm_layer_gpu_graph(seed, vllm_src, scheme):
 def test_align_block_size_gpu_large(seed):
     """The align kernel's atomics on the GPU: 16384 slots over 256 experts, several chunks, block 64."""
     test_align_block_size_contract(seed, 2048, 8, 256, 64)
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+def test_reference_rows_ignore_sentinels_and_other_ranks(seed, scheme):
+    # -1 / E ids and experts another rank holds contribute nothing: the same rows as those slots pointed at a
+    # held expert with weight 0 (an E id used to index past expert_map)
+    spec, p = make_layer(256, 128, 6, 3, scheme, local_experts=(1, 2, 4, 5), device=DEVICE)
+    w, ids = make_routing(9, 6, 3, mode="sentinels", device=DEVICE)
+    ids[1, 0], ids[2, 1] = 6, 3  # an E sentinel and an expert of the other rank
+    x = torch.randn(9, 256, device=DEVICE).to(torch.bfloat16)
+    dead = (ids < 0) | (ids >= 6) | (ids == 0) | (ids == 3)
+    assert dead.any() and (~dead).any()
+    got = vb.reference_rows(p, spec, x, w, ids)
+    same = vb.reference_rows(p, spec, x, torch.where(dead, 0.0, w), torch.where(dead, 1, ids).to(ids.dtype))
+    assert torch.equal(got, same) and (got[dead.all(1)] == 0).all()

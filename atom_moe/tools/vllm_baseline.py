@@ -373,9 +373,8 @@ def reference_rows(weights, spec, x: torch.Tensor, topk_weights: torch.Tensor, t
     our fused epilogue, which costs vLLM's fp8 ~2% against a reference quantizing from fp32) and
     GEMM2's weighted output; fp8 activations quantized by vLLM's rule (group_quant_dequant). Only the experts hit are dequantized: all of a large layer would not fit.
     """
-    from ..reference import ReferenceWeights
-    hit = weights.expert_map[torch.unique(topk_ids.long())].tolist()  # the local experts hit
-    ref = ReferenceWeights.from_prepared(weights.restricted(hit))
+    from ..reference import ReferenceWeights, local_experts_hit
+    ref = ReferenceWeights.from_prepared(weights.restricted(local_experts_hit(weights, topk_ids)))
     fp8 = spec.scheme.fp8_activations
 
     def bf16(t: torch.Tensor) -> torch.Tensor:
