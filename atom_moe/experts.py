@@ -4,8 +4,8 @@ Schemes: bf16, fp8 (e4m3 weights, 128x128 block scales), a16w4 (MXFP4 weights, b
 activations) and a8w4 (MXFP4 weights as MX quads, e4m3 activations: the layer input per
 token-group-128, GEMM2's input per token-group-64; fp8 dots, see kernels/gemm1.py).
 
-Two Triton launches at T = 1 (GEMM1 does the routing launch's work: pair blocks,
-kernels/routing.py), three at other small T; larger T adds a separate combine
+Three Triton launches per call at small T (two at T = 1 with ATOM_MOE_PAIR_BLOCKS=1: GEMM1
+does the routing launch's work, kernels/routing.py `PairBlocks`); larger T adds a separate combine
 (kernels/gemm2.py) and a second routing-sort launch (kernels/routing.py). No host sync,
 every buffer in a `Workspace` that the caller may allocate once (`allocate_workspace`) and
 pass in, so the forward is CUDA-graph capturable and the caller sees every allocation.
@@ -38,6 +38,18 @@ def choose_backend(scheme: Scheme, device: torch.device) -> str | None:
     if scheme in SUPPORTED:
         return "triton"
     return "torch" if device.type == "cpu" else None
+
+
+PAIR_BLOCKS_FLAG = "ATOM_MOE_PAIR_BLOCKS"
+
+
+def pair_blocks_enabled() -> bool:
+    """Whether T = 1 calls skip the routing launch by default: ATOM_MOE_PAIR_BLOCKS=1 (off until timed on a GPU)."""
+    flag = os.environ.get(PAIR_BLOCKS_FLAG, "")
+    if flag not in ("", "0", "1"):
+        raise ValueError(f"{PAIR_BLOCKS_FLAG}={flag!r}: allowed are 1 (T = 1 in two launches, no routing sort), "
+                         "0 or unset (the routing launch at every T)")
+    return flag == "1"
 
 
 def _kernels():
@@ -162,8 +174,8 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     "counter" (inside GEMM2) or "separate" (a fourth launch, local output only); default by
     pair count (kernels.gemm2.SEPARATE_MIN_PAIRS). `pair_blocks` skips the routing launch: each
     (token, slot) pair is its own row block and GEMM1 does the routing launch's per-token work
-    (kernels/routing.py `PairBlocks`); default on for T = 1 with a local output and unquantized x,
-    where no expert can take two pairs of distinct ids, so the layer is two launches.
+    (kernels/routing.py `PairBlocks`); by default (ATOM_MOE_PAIR_BLOCKS=1) on for T = 1 with a local
+    output and unquantized x, where no expert can take two pairs of distinct ids: two launches.
     """
     if spec.scheme not in SUPPORTED:
         raise ValueError(f"fused_experts supports schemes {[s.value for s in SUPPORTED]}, got {spec.scheme.value}")
@@ -206,7 +218,7 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     fp8 = spec.scheme.fp8_activations  # fp8 and a8w4
     quant = fp8 and not pre_quantized
     if pair_blocks is None:
-        pair_blocks = T == 1 and remote is None and not pre_quantized
+        pair_blocks = T == 1 and remote is None and not pre_quantized and pair_blocks_enabled()
     elif pair_blocks and (remote is not None or pre_quantized):
         raise ValueError("fused_experts: pair_blocks needs a local output and unquantized x (no remote, no x_scale)")
     pairs = routing.PairBlocks(topk_ids, weights.expert_map, x, out, ws.counters, ws.n_counters) if pair_blocks \

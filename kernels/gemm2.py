@@ -6,7 +6,7 @@ that brings a token's counter to its number of local slots sums that token's par
 in slot order 0..k-1 and writes out[token, n-tile]. The result is bitwise independent
 of the programs' finishing order (float atomics would not be), and needs no zeroed
 output: the routing launch (or, with pair blocks at T = 1, GEMM1) zeroes the counters, so the
-layer stays at three launches (two at T = 1).
+layer stays at three launches (two with pair blocks).
 
 SEPARATE (large T, local output only): the epilogue only stores each weighted (token, slot)
 row, in the output dtype, to partial[pair]; a fourth launch (`combine`) sums each token's
@@ -49,7 +49,7 @@ from .mxfp4 import launch_args, rowexp_arg, scaled_dot
 GROUP = 128  # host-side twin of common.QGROUP
 # Pair count from which fused_experts combines in a separate launch: on an H200 the separate
 # combine won at every point measured, down to 256 pairs (docs/perf/kernels-breakdown-h200.md);
-# below that it is unmeasured, and T = 1 must stay at two launches (pair blocks, kernels/routing.py).
+# below that it is unmeasured, and T = 1 must stay at three launches (two with pair blocks, kernels/routing.py).
 SEPARATE_MIN_PAIRS = 256
 
 

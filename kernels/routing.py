@@ -1,7 +1,7 @@
 """Routing metadata: sort (token, slot) pairs by local expert, padded per expert to BLOCK_M.
 
 One launch does all the per-call preparation the GEMMs need, so a small call stays at three
-launches (this, GEMM1, GEMM2); at T = 1 GEMM1 does it instead (PairBlocks: two launches):
+launches (this, GEMM1, GEMM2); at T = 1 GEMM1 can do it instead (PairBlocks: two launches):
   program 0      : counts pairs per local expert, writes the padded sorted pair list and
                    the per-block expert table (-1 = no work);
   programs 1..   : one per (token, 1024-column chunk): zero the token's GEMM2 combine
@@ -41,7 +41,7 @@ from .common import FP8_MAX, cast, interpreting
 # an H200 the split took DeepSeek-V3's routing from 122 to 43 us at 16k pairs and from 406 to
 # 94 us at 64k (docs/perf/kernels-breakdown-h200.md). At or below 4096 it was not measured
 # against the split; the threshold keeps decode-size calls (T <= 512 at top-8) on the one-launch
-# path (T = 1 skips this launch: PairBlocks). Symm receive rows (SENT) are sized by
+# path (T = 1 may skip this launch: PairBlocks). Symm receive rows (SENT) are sized by
 # capacity W*C*k, not by the tokens that arrived, so they split above it even when few rows
 # came (chunks of unsent rows read no ids; program 0 would read only the sent rows).
 # Read at call time: tests lower it.
@@ -53,8 +53,8 @@ FILL_BLOCKS = 64  # row blocks whose padding and block_expert one launch-B progr
 @dataclass(frozen=True)
 class PairBlocks:
     """A call routed without the sort: row block b is (token, slot) pair b alone, and GEMM1 does the
-    routing launch's per-token work (kernels/gemm1.py `token_duties`). Worth it where no expert takes
-    two pairs, as at T = 1: the layer is then two launches."""
+    routing launch's per-token work (kernels/gemm1.py `token_duties`). Meant for where no expert takes
+    two pairs, as at T = 1: the layer is then two launches (atom_moe.experts: ATOM_MOE_PAIR_BLOCKS)."""
 
     topk_ids: torch.Tensor  # [T, k]
     expert_map: torch.Tensor  # int32 [E]: local expert or -1

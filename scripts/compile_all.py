@@ -130,14 +130,14 @@ def _exercise() -> None:
             wx, ww, wids = random_tokens(wide, T, generator=g)
             for config in split_rows:
                 fused_experts(wx, ww, wids, wide_weights, wide, config=config)
-                fused_experts(wx[:1], ww[:1], wids[:1], wide_weights, wide, config=config)  # T = 1: pair blocks
+                fused_experts(wx[:1], ww[:1], wids[:1], wide_weights, wide, config=config, pair_blocks=True)
         # split-K GEMM1 (both launches) and GEMM2, as tune may pick them for decode; and T = 1's pair blocks
         # (no routing launch, kernels/routing.py) for every config T = 1 may pick, split or not
         for config in {c for c in configs.get(scheme, ()) if c.block_m == tuning.MIN_BLOCK_M}:
             split = dataclasses.replace(config, split_k1=2, split_k2=2)
             fused_experts(x, w, ids, weights, spec, config=split)
             for c in (dataclasses.replace(config, split_k1=1, split_k2=1), split):
-                fused_experts(x[:1], w[:1], ids[:1], weights, spec, config=c)
+                fused_experts(x[:1], w[:1], ids[:1], weights, spec, config=c, pair_blocks=True)
         for wire in ("bf16", "fp8") if spec.scheme.fp8_activations else ("bf16",):
             _exercise_symm(spec, raw, wire, T, g)
     _exercise_served(g)
@@ -196,7 +196,7 @@ def _exercise_served(g: torch.Generator) -> None:
                 for combine in ("counter", "separate"):
                     fused_experts(x, w, ids, weights, spec, config=config, combine=combine)
                 if config in one_token:  # T = 1: pair blocks
-                    fused_experts(x[:1], w[:1], ids[:1], weights, spec, config=config)
+                    fused_experts(x[:1], w[:1], ids[:1], weights, spec, config=config, pair_blocks=True)
                 split, routing.SPLIT_PAIRS = routing.SPLIT_PAIRS, 0  # the two-launch sort of large T
                 try:
                     fused_experts(x, w, ids, weights, spec, config=config)

@@ -183,12 +183,13 @@ def test_measure_rows_replays_each_launch_alone(scheme):
 
 
 @pytest.mark.parametrize("scheme", ["bf16", "fp8"])
-def test_measure_rows_at_one_token(scheme):
-    # T = 1 is two launches (pair blocks): GEMM1's row carries the routing work's bytes, and the lone
+def test_measure_rows_at_one_token(scheme, monkeypatch):
+    # T = 1 with pair blocks is two launches: GEMM1's row carries the routing work's bytes, and the lone
     # GEMM2 replay still rebuilds the output
     pytest.importorskip("triton")
     if _device() is None:
         pytest.skip("needs a CUDA GPU or TRITON_INTERPRET=1")
+    monkeypatch.setenv("ATOM_MOE_PAIR_BLOCKS", "1")
     spec, weights, ws, x, w, ids = _tiny_layer(scheme)
     rows = breakdown.measure_rows(CallTimer(), spec, weights, ws, x[:1], w[:1], ids[:1], CEIL, sms=132)
     assert [r["kernel"] for r in rows] == ["gemm1", "gemm2", "layer"]

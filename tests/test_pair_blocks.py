@@ -1,4 +1,5 @@
-"""Pair blocks: the layer without its routing launch (kernels/routing.py `PairBlocks`), every scheme.
+"""Pair blocks: the layer without its routing launch (kernels/routing.py `PairBlocks`), every scheme
+(ATOM_MOE_PAIR_BLOCKS=1 makes them T = 1's default; every test here sets it).
 
 CPU, TRITON_INTERPRET=1. Each (token, slot) pair is its own row block and GEMM1 does the routing
 launch's per-token work: it zeroes the combine counters and the output rows no local expert writes,
@@ -26,6 +27,11 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 SCHEMES = ["bf16", "fp8", "a16w4", "a8w4"]
 H, I, E, K = 224, 160, 6, 3
 LOCAL = (1, 2, 4, 5)  # this rank's experts in the "mixed" and "nothing_local" cases
+
+
+@pytest.fixture(autouse=True)
+def _pair_blocks_on(monkeypatch):
+    monkeypatch.setenv("ATOM_MOE_PAIR_BLOCKS", "1")  # T = 1 takes pair blocks by default
 
 
 def _poisoned(spec, T: int):
@@ -94,6 +100,20 @@ def test_pair_blocks_with_split_k(seed, scheme):
     launches = record_launches(lambda: fused_experts(x, w, ids, p, spec, workspace=ws, out=out, config=cfg))
     assert [launch.stage for launch in launches] == ["gemm1", "gemm1", "gemm2"]
     assert torch.equal(out, fused_experts(x, w, ids, p, spec, config=cfg, pair_blocks=False))
+
+
+def test_the_flag_decides_the_default(seed, monkeypatch):
+    spec, p, w, ids, x = _case("bf16", "random", 1)
+    for flag, want in (("1", ["gemm1", "gemm2"]), ("0", ["routing", "gemm1", "gemm2"]),
+                       (None, ["routing", "gemm1", "gemm2"])):
+        if flag is None:
+            monkeypatch.delenv("ATOM_MOE_PAIR_BLOCKS")
+        else:
+            monkeypatch.setenv("ATOM_MOE_PAIR_BLOCKS", flag)
+        assert [launch.stage for launch in record_launches(lambda: fused_experts(x, w, ids, p, spec))] == want, flag
+    monkeypatch.setenv("ATOM_MOE_PAIR_BLOCKS", "yes")
+    with pytest.raises(ValueError, match="ATOM_MOE_PAIR_BLOCKS='yes': allowed are 1"):
+        fused_experts(x, w, ids, p, spec)
 
 
 def test_pair_blocks_need_a_local_unquantized_call(seed):
