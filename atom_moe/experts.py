@@ -54,8 +54,8 @@ def pair_blocks_enabled() -> bool:
 
 def _kernels():
     # Imported lazily: the package imports without Triton; only this path needs it.
-    from atom_moe.kernels import gemm1, gemm2, routing, tuning
-    return routing, gemm1, gemm2, tuning
+    from atom_moe.kernels import common, gemm1, gemm2, routing, tuning
+    return routing, gemm1, gemm2, tuning, common
 
 
 @dataclass
@@ -91,7 +91,7 @@ class Workspace:
 
 def allocate_workspace(spec: MoESpec, max_tokens: int, device: torch.device | str) -> Workspace:
     """Allocate (uninitialized) every buffer fused_experts needs for up to max_tokens tokens."""
-    routing, _, _, tuning = _kernels()
+    routing, _, _, tuning, _ = _kernels()
     if spec.scheme not in SUPPORTED:
         raise ValueError(f"fused_experts supports schemes {[s.value for s in SUPPORTED]}, got {spec.scheme.value}")
     if max_tokens < 1:
@@ -191,7 +191,7 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     else:
         _check_inputs(x, topk_weights, topk_ids, spec)
         warn_fp32(x, "fused_experts")
-    routing, gemm1, gemm2, tuning = _kernels()
+    routing, gemm1, gemm2, tuning, common = _kernels()
     T, k, E_l = x.shape[0], spec.top_k, spec.num_local_experts
     if remote is not None:
         if out is not None:
@@ -223,6 +223,9 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
         raise ValueError("fused_experts: pair_blocks needs a local output and unquantized x (no remote, no x_scale)")
     pairs = routing.PairBlocks(topk_ids, weights.expert_map, x, out, ws.counters, ws.n_counters) if pair_blocks \
         else None
+    # programmatic dependent launch (ATOM_MOE_PDL=1, NVIDIA sm_90+): GEMM1 and GEMM2 start while the launch before
+    # them finishes; GEMM2 fetches its weights into L2 meanwhile. Local output only
+    pdl = common.pdl(x.device) and remote is None
     if pairs is not None:
         n_blocks = T * k
     else:
@@ -231,7 +234,7 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
                                  ws.cursor, x, out, ws.counters, ws.n_counters,
                                  xq=ws.x_q if quant else None, xs=ws.x_scale if quant else None,
                                  sent=(remote.info, remote.capacity) if remote is not None else None,
-                                 chunk_counts=ws.chunk_counts)
+                                 chunk_counts=ws.chunk_counts, pdl=pdl)
     act = spec.activation
     # the workspace holds max_tokens rows; GEMM1 takes its pair count from x's rows, so pass T of them
     x1, x1_scale = (x, x_scale) if pre_quantized else (ws.x_q[:T], ws.x_scale[:T]) if fp8 else (x, None)
@@ -246,7 +249,7 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
                 block_m=cfg.block_m, block_n=cfg.block_n1, block_k=cfg.block_k1,
                 num_warps=cfg.warps1, num_stages=cfg.stages1, group_m=cfg.group_m, mx_big=weights.mx_scale_max > 128,
                 w13_rowexp_t=weights.w13_rowexp, mx_flush=weights.mx_flush,
-                split_k=split_k, partial=ws.partial, maxnreg=cfg.maxnreg1, pairs=pairs)
+                split_k=split_k, partial=ws.partial, maxnreg=cfg.maxnreg1, pairs=pairs, pdl=pdl)
     separate = remote is None and (combine == "separate" or (combine is None and T * k >= gemm2.SEPARATE_MIN_PAIRS))
     partial = gemm2.separate_partial(ws.partial, out) if separate else ws.partial
     split_k2 = cfg.split_k2 if decode and not separate and remote is None else 1
@@ -257,7 +260,7 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
                 num_warps=cfg.warps2, num_stages=cfg.stages2, group_m=cfg.group_m, remote=remote,
                 hidden=weights.hidden_size, mx_big=weights.mx_scale_max > 128,
                 w2_rowexp=weights.w2_rowexp, mx_flush=weights.mx_flush, separate=separate, split_k=split_k2,
-                maxnreg=cfg.maxnreg2, pairs=pairs is not None)
+                maxnreg=cfg.maxnreg2, pairs=pairs is not None, pdl=pdl)
     if separate:
         gemm2.combine(partial, topk_ids, weights.expert_map, out)
     return out

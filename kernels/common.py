@@ -1,13 +1,15 @@
 """Pieces shared by the kernels: constants, tile order, bf16 dot, rounding cast, interpreter switch,
-the split-K bounds."""
+the split-K bounds, programmatic dependent launch (PDL) and an L2 prefetch."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # Kernel-visible constants must be tl.constexpr globals.
 FP8_MAX = tl.constexpr(448.0)  # largest finite e4m3
@@ -43,6 +45,58 @@ def register_cap(maxnreg: int) -> dict:
     if torch.version.hip is not None:
         raise ValueError(f"maxnreg={maxnreg}: the register cap is a ptxas (NVIDIA) option; HIP builds take 0")
     return {"maxnreg": maxnreg}
+
+
+PDL_FLAG = "ATOM_MOE_PDL"
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def pdl(device: torch.device) -> bool:
+    """Whether launches on `device` use programmatic dependent launch: ATOM_MOE_PDL=1 on an NVIDIA GPU of
+    compute capability 9.0 or later (off under the interpreter, on HIP and by default: not yet timed)."""
+    flag = os.environ.get(PDL_FLAG, "")
+    if flag not in ("", "0", "1"):
+        raise ValueError(f"{PDL_FLAG}={flag!r}: allowed are 1 (GEMM1 and GEMM2 start while the launch before them "
+                         "finishes; NVIDIA sm_90+) or 0 / unset (plain stream order)")
+    if flag != "1" or device.type != "cuda" or torch.version.hip is not None or interpreting():
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+
+
+def pdl_options(dependent: bool) -> dict:
+    """Launch options of a kernel that waits on the launch before it through PDL (`dependent`), else none."""
+    return {"launch_pdl": True} if dependent else {}
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """With PDL: block until the launch before this one has finished and its writes are visible."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def pdl_release(PDL: tl.constexpr):
+    """With PDL: let the next launch's programs start (they wait for this launch to finish before reading
+    what it writes)."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptr, nbytes, NT: tl.constexpr):
+    """Ask L2 for bytes [ptr, ptr + nbytes) (ptr 16-byte aligned) in NT bulk prefetches of whole 16-byte
+    units, one per element (a hint: no data comes back, nothing waits; NVIDIA sm_90+ only)."""
+    chunk = tl.cdiv(nbytes, NT * 16) * 16
+    off = tl.arange(0, NT).to(tl.int64) * chunk
+    size = (tl.minimum(chunk, nbytes - off) // 16 * 16).to(tl.int32)
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; "
+                              "mov.u32 $0, 0; }", "=r,l,r", [ptr.to(tl.int64, bitcast=True) + off, size],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 def interpreting() -> bool:

@@ -31,7 +31,7 @@ import triton.language as tl
 from atom_moe.layouts.gate_up import GateUpKind, GateUpLayout, GateUpTensor, LayoutError, require
 from atom_moe.spec import A8W4_INTER_GROUP
 
-from .common import FP8_MAX, QGROUP, cast, check_split, interpreting, register_cap
+from .common import FP8_MAX, QGROUP, cast, check_split, interpreting, pdl_options, pdl_release, pdl_wait, register_cap
 from .mainloop import k_loop, tile_expert, tile_finish, tile_rows, tile_start
 from .mxfp4 import launch_args, rowexp_arg, scaled_dot
 from .routing import PairBlocks, local_slots, quant_row, zero_counters, zero_row
@@ -48,7 +48,12 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, 
                   BIG: tl.constexpr, OAI: tl.constexpr, CLAMP: tl.constexpr,
                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, IGROUP: tl.constexpr, INTERP: tl.constexpr, SCALED: tl.constexpr,
-                  PAIRS: tl.constexpr, KP2: tl.constexpr, HG: tl.constexpr):
+                  PAIRS: tl.constexpr, KP2: tl.constexpr, HG: tl.constexpr, PDL_WAIT: tl.constexpr,
+                  PDL_RELEASE: tl.constexpr):
+    # PDL (kernels/common.py): wait for the launch before (it may still run), then let GEMM2 start; GEMM2 reads
+    # nothing of ours before its own wait
+    pdl_wait(PDL_WAIT)
+    pdl_release(PDL_RELEASE)
     n_out = 2 * inter
     pid_m, pid_n, expert = tile_expert(block_expert_ptr, n_blocks, tl.cdiv(n_out, BLOCK_N), GROUP_M, ids_ptr,
                                        emap_ptr, num_experts, PAIRS)
@@ -162,7 +167,8 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
           limit: float, block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
           group_m: int = 8, mx_big: bool = False, w13_rowexp_t: GateUpTensor | None = None,
           mx_flush: bool = False, clamp: bool = False, split_k: int = 1,
-          partial: torch.Tensor | None = None, maxnreg: int = 0, pairs: PairBlocks | None = None) -> None:
+          partial: torch.Tensor | None = None, maxnreg: int = 0, pairs: PairBlocks | None = None,
+          pdl: bool = False) -> None:
     """out[row, :I] = act(x[token(row)] @ w13[expert(row)]^T (+bias)), fp8-quantized when out_scale is given.
 
     act: silu(gate) * up; with clamp (DeepSeek-V4) gate <= limit and |up| <= limit first; with oai
@@ -177,6 +183,9 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
     pairs: no routing launch ran (kernels/routing.py `PairBlocks`); sorted_ids / block_expert are
     unread, n_blocks is T * top_k, and with e4m3 activations x / x_scale are the buffers GEMM1 fills
     from pairs.x.
+    pdl: programmatic dependent launch (kernels/common.py `pdl`): the launch waits on the routing launch
+    before it (not with pairs: its predecessor is not ours) and releases the next (GEMM2, or split-K's
+    second launch) at its start.
     """
     # The pairing of gate and up rows is checked, never assumed: a mispaired layout runs fine
     # and silently ruins accuracy.
@@ -238,11 +247,11 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
                 KP2=1 if pairs is None else triton.next_power_of_2(top_k),
                 HG=1 if pairs is None else triton.next_power_of_2(triton.cdiv(hidden, GROUP)),
                 num_warps=num_warps, num_stages=num_stages, **register_cap(maxnreg))
-    if split == 1:
-        _gemm1_kernel[(tiles,)](*args, PHASE=0, **meta)
-    else:
-        _gemm1_kernel[(tiles, split)](*args, PHASE=1, **meta)
-        _gemm1_kernel[(tiles,)](*args, PHASE=2, **meta)
+    first = pdl and pairs is None  # the routing launch came just before
+    phases = [(0, (tiles,))] if split == 1 else [(1, (tiles, split)), (2, (tiles,))]
+    for phase, grid in phases:
+        wait = first if phase < 2 else pdl
+        _gemm1_kernel[grid](*args, PHASE=phase, PDL_WAIT=wait, PDL_RELEASE=pdl, **meta, **pdl_options(wait))
 
 
 def _pair_args(pairs: PairBlocks | None, unused: torch.Tensor) -> tuple:

@@ -42,7 +42,7 @@ import triton.language as tl
 
 from atom_moe.spec import A8W4_INTER_GROUP
 
-from .common import QGROUP, cast, check_split, interpreting, register_cap
+from .common import QGROUP, cast, check_split, interpreting, pdl_options, pdl_wait, prefetch_l2, register_cap
 from .mainloop import k_loop, tile_expert, tile_finish, tile_rows, tile_start
 from .mxfp4 import launch_args, rowexp_arg, scaled_dot
 
@@ -51,6 +51,10 @@ GROUP = 128  # host-side twin of common.QGROUP
 # combine won at every point measured, down to 256 pairs (docs/perf/kernels-breakdown-h200.md);
 # below that it is unmeasured, and T = 1 must stay at three launches (two with pair blocks, kernels/routing.py).
 SEPARATE_MIN_PAIRS = 256
+# Bytes of its weight tile a GEMM2 program asks L2 for before it waits under PDL: the programs that start
+# while GEMM1 runs (one per free slot, ~132-264 on an H200) then ask for at most ~17-34 MB of its 50 MB L2.
+# Untimed: `scripts/launch_ab.py` is the experiment that sets it.
+PREFETCH_BYTES = tl.constexpr(128 * 1024)
 
 
 @dataclass(frozen=True)
@@ -78,9 +82,13 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr
                   TOPK: tl.constexpr, KP2: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, IGROUP: tl.constexpr, INTERP: tl.constexpr, REMOTE: tl.constexpr,
-                  SEPARATE: tl.constexpr, SCALED: tl.constexpr, PAIRS: tl.constexpr):
+                  SEPARATE: tl.constexpr, SCALED: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr):
     pid_m, pid_n, expert = tile_expert(block_expert_ptr, n_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M, ids_ptr,
-                                       emap_ptr, num_experts, PAIRS)
+                                       emap_ptr, num_experts, PAIRS, PDL)
+    if PDL:  # launched while GEMM1 runs: ask L2 for this tile's weights, then wait for GEMM1's output
+        if (expert >= 0) & (SPLIT == 1):
+            prefetch_weights(w_ptr, expert.to(tl.int64), pid_n, hidden, inter, row_blocks, k_blocks, W4, BLOCK_N)
+        pdl_wait(PDL)
     if expert < 0:
         return
     e64 = expert.to(tl.int64)
@@ -162,6 +170,25 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr
 
 
 @triton.jit
+def prefetch_weights(w_ptr, e64, pid_n, n_rows, k, row_blocks, k_blocks, W4: tl.constexpr, BLOCK_N: tl.constexpr):
+    """L2 prefetch of the first PREFETCH_BYTES of rows [pid_n * BLOCK_N, +BLOCK_N) of expert e64's weight, all of
+    K: contiguous bytes in both layouts ([E, N, K] row-major; MX tiles / quads [E, N/16, K/64, 128 words];
+    their scales are not fetched)."""
+    if W4:
+        nb0 = pid_n * (BLOCK_N // 16)
+        blocks = tl.minimum(BLOCK_N // 16, row_blocks - nb0)
+        start = w_ptr + (e64 * row_blocks + nb0) * k_blocks * 128
+        nbytes = blocks.to(tl.int64) * k_blocks * 512
+    else:
+        n0 = pid_n * BLOCK_N
+        rows = tl.minimum(BLOCK_N, n_rows - n0)
+        size: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+        start = w_ptr + (e64 * n_rows + n0) * k
+        nbytes = rows.to(tl.int64) * k * size
+    prefetch_l2(start, tl.minimum(nbytes, PREFETCH_BYTES), 128)
+
+
+@triton.jit
 def _combine_kernel(partial_ptr, ids_ptr, emap_ptr, out_ptr, stride_out, num_experts, hidden,
                     TOPK: tl.constexpr, KP2: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -211,7 +238,7 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
           block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int, group_m: int = 8,
           remote: "RemoteOutput | None" = None, separate: bool = False, hidden: int | None = None,
           mx_big: bool = False, w2_rowexp: torch.Tensor | None = None, mx_flush: bool = False,
-          split_k: int = 1, maxnreg: int = 0, pairs: bool = False) -> None:
+          split_k: int = 1, maxnreg: int = 0, pairs: bool = False, pdl: bool = False) -> None:
     """out[t] = sum_k w[t,k] * (act[row(t,k)] @ w2[e]^T (+bias)), deterministic combine.
 
     remote: push the results to the source ranks instead of `out` (see the module docstring).
@@ -223,6 +250,9 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
     `partial` then holds split_k * T * k rows). maxnreg > 0 caps the registers per thread (NVIDIA).
     pairs: GEMM1 ran with pair blocks (kernels/routing.py `PairBlocks`): row block b is pair b, whose
     activation row is b; sorted_ids / block_expert are unread and n_blocks is T * top_k.
+    pdl: launched with programmatic dependent launch after a GEMM1 that releases it early
+    (kernels/common.py `pdl`): each program reads its expert and asks L2 for its weight tile
+    before it waits for GEMM1. Local output only.
     """
     fp8 = a_scale is not None  # e4m3 activations (fp8, a8w4)
     w4 = w2.dtype == torch.uint8  # MXFP4 weights (a16w4, a8w4): MX tiles [E, H/16, I/64, 512]
@@ -259,6 +289,8 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
         raise ValueError(f"GEMM2 split_k={split_k}: split-K runs with the local counter combine only "
                          f"(not separate, not remote)")
     split = check_split("GEMM2", split_k, num_tokens * top_k, hidden, inter, block_k, partial)
+    if pdl and remote is not None:
+        raise ValueError("GEMM2 pdl: local output only (the symm transport's push keeps plain stream order)")
     if pairs and (n_blocks != num_tokens * top_k or remote is not None):
         raise ValueError(f"GEMM2 pair blocks: n_blocks must be T * top_k = {num_tokens * top_k} (got {n_blocks}), "
                          f"local output only")
@@ -274,5 +306,5 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
         KP2=triton.next_power_of_2(top_k),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, IGROUP=igroup, INTERP=interpreting(),
         REMOTE=remote is not None, SEPARATE=separate, SCALED=w4 and fp8 and scaled_dot(a.device, block_k), PAIRS=pairs,
-        num_warps=num_warps, num_stages=num_stages, **register_cap(maxnreg),
+        PDL=pdl, num_warps=num_warps, num_stages=num_stages, **register_cap(maxnreg), **pdl_options(pdl),
     )

@@ -27,18 +27,20 @@ from .mxfp4 import row_factor, scale_step, swap_step, tile_offsets
 
 @triton.jit
 def tile_expert(block_expert_ptr, n_blocks, n_col_tiles, GROUP_M: tl.constexpr, ids_ptr, emap_ptr, num_experts,
-                PAIRS: tl.constexpr):
+                PAIRS: tl.constexpr, L2_ONLY: tl.constexpr = False):
     """(pid_m, pid_n, expert) of this program: its row block, column tile and the block's expert (-1: idle).
 
     PAIRS: no routing sort ran; row block b is (token, slot) pair b alone, its expert read from
-    topk_ids through expert_map (-1 for sentinels and experts of other ranks)."""
+    topk_ids through expert_map (-1 for sentinels and experts of other ranks). L2_ONLY: read past
+    L1 (GEMM2 under PDL reads the expert before its wait: kernels/gemm2.py)."""
     pid_m, pid_n = tile_ids(n_blocks, n_col_tiles, GROUP_M)
+    cache: tl.constexpr = ".cg" if L2_ONLY else ""
     if PAIRS:
-        gid = tl.load(ids_ptr + pid_m).to(tl.int32)
+        gid = tl.load(ids_ptr + pid_m, cache_modifier=cache).to(tl.int32)
         ok = (gid >= 0) & (gid < num_experts)
-        expert = tl.where(ok, tl.load(emap_ptr + gid, mask=ok, other=-1), -1)
+        expert = tl.where(ok, tl.load(emap_ptr + gid, mask=ok, other=-1, cache_modifier=cache), -1)
     else:
-        expert = tl.load(block_expert_ptr + pid_m)
+        expert = tl.load(block_expert_ptr + pid_m, cache_modifier=cache)
     return pid_m, pid_n, expert
 
 

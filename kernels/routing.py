@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FP8_MAX, cast, interpreting
+from .common import FP8_MAX, cast, interpreting, pdl_release
 
 # Pairs above which the sort runs as two launches. Program 0 costs 5-8 us per 1024 pairs; on
 # an H200 the split took DeepSeek-V3's routing from 122 to 43 us at 16k pairs and from 406 to
@@ -315,9 +315,10 @@ def _routing_kernel(ids_ptr, emap_ptr, sorted_ptr, block_expert_ptr, cursor_ptr,
                     BLOCK_M: tl.constexpr, NB: tl.constexpr, CHUNK: tl.constexpr, BB: tl.constexpr,
                     TOPK: tl.constexpr, KP2: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
                     GPC: tl.constexpr, EMULATE: tl.constexpr, SENT: tl.constexpr, STEP: tl.constexpr,
-                    SCHUNK: tl.constexpr, FILL: tl.constexpr, CB: tl.constexpr):
+                    SCHUNK: tl.constexpr, FILL: tl.constexpr, CB: tl.constexpr, PDL_RELEASE: tl.constexpr):
     # STEP 0: one launch (program 0 sorts); 1: split launch A (n_sort histogram programs);
     # 2: split launch B (scatter + padding). Programs past n_sort of steps 0 and 1 are token programs.
+    pdl_release(PDL_RELEASE)  # GEMM1 may start: it waits for this launch before reading anything
     pid = tl.program_id(0)
     if STEP == 2:
         _scatter_program(pid, ids_ptr, emap_ptr, sorted_ptr, block_expert_ptr, counts_ptr, info_ptr, capacity,
@@ -342,13 +343,14 @@ def routing_metadata(topk_ids: torch.Tensor, expert_map: torch.Tensor, num_local
                      x: torch.Tensor, out: torch.Tensor | None, counters: torch.Tensor, n_counters: int,
                      xq: torch.Tensor | None = None, xs: torch.Tensor | None = None,
                      sent: tuple[torch.Tensor, int] | None = None,
-                     chunk_counts: torch.Tensor | None = None) -> None:
+                     chunk_counts: torch.Tensor | None = None, pdl: bool = False) -> None:
     """Fill sorted_ids / block_expert, zero counters and empty output rows, quantize x if xq given.
 
     sent = (recv_info, C): topk_ids are symm receive rows; row s*C + t counts only while
     t < recv_info[s, 0], and there is no output to zero (out may be None).
     chunk_counts (int32, >= sort_chunks(T*k) * num_local elements) enables the two-launch
-    sort above SPLIT_PAIRS pairs; without it the sort is always the one-launch program 0.
+    sort above SPLIT_PAIRS pairs; without it the sort is always the one-launch program 0. pdl: the last
+    launch lets the next (GEMM1, launched with programmatic dependent launch) start early.
     """
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
@@ -370,10 +372,11 @@ def routing_metadata(topk_ids: torch.Tensor, expert_map: torch.Tensor, num_local
                 TOPK=top_k, KP2=triton.next_power_of_2(top_k), QUANT=quant, GROUP=128, GPC=gpc,
                 EMULATE=interpreting(), SENT=sent is not None, SCHUNK=SORT_CHUNK, FILL=FILL_BLOCKS, CB=8,
                 num_warps=8)
-    _routing_kernel[(n_sort + num_tokens * n_chunks,)](*args, STEP=1 if split else 0, **meta)
+    _routing_kernel[(n_sort + num_tokens * n_chunks,)](*args, STEP=1 if split else 0, PDL_RELEASE=pdl and not split,
+                                                       **meta)
     if split:  # launch B: scatter programs and padding programs share the grid
         n_fill = triton.cdiv(n_blocks, FILL_BLOCKS)
-        _routing_kernel[(max(n_sort, n_fill),)](*args, STEP=2, **meta)
+        _routing_kernel[(max(n_sort, n_fill),)](*args, STEP=2, PDL_RELEASE=pdl, **meta)
 
 
 def routing_metadata_torch(topk_ids: torch.Tensor, expert_map: torch.Tensor, num_local: int,

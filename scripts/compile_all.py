@@ -76,7 +76,7 @@ def _divisible(value) -> bool:
 
 def _record(self: JITFunction, *args, grid, warmup, **kwargs):
     """Stands in for JITFunction.run: note the launch's signature, launch nothing."""
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg", "launch_pdl") if k in kwargs}
     bound = dict(zip(self.arg_names, args))
     bound.update(kwargs)
     sig, ce, div = {}, {}, []
@@ -138,6 +138,16 @@ def _exercise() -> None:
             fused_experts(x, w, ids, weights, spec, config=split)
             for c in (dataclasses.replace(config, split_k1=1, split_k2=1), split):
                 fused_experts(x[:1], w[:1], ids[:1], weights, spec, config=c, pair_blocks=True)
+        # programmatic dependent launch (ATOM_MOE_PDL=1 on sm_90+): the default picks, sorted and pair blocks,
+        # and split-K's extra launch
+        pdl, kcommon.pdl = kcommon.pdl, lambda device: True
+        try:
+            fused_experts(x, w, ids, weights, spec)
+            fused_experts(x[:1], w[:1], ids[:1], weights, spec, pair_blocks=True)
+            small = tuning.heuristic(scheme, H, I, E, K, 1)
+            fused_experts(x, w, ids, weights, spec, config=dataclasses.replace(small, split_k1=2, split_k2=2))
+        finally:
+            kcommon.pdl = pdl
         for wire in ("bf16", "fp8") if spec.scheme.fp8_activations else ("bf16",):
             _exercise_symm(spec, raw, wire, T, g)
     _exercise_served(g)
@@ -279,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     jobs = []
     for target in args.target:
         for key, (kernel, sig, ce, div, options) in sorted(launches.items(), key=lambda kv: str(kv[0])):
+            if TARGETS[target].backend == "hip" and (options.get("launch_pdl") or any(
+                    ce.get(name) for name in ("PDL", "PDL_WAIT", "PDL_RELEASE"))):
+                continue  # PDL is PTX (griddepcontrol): kernels/common.py `pdl` is off on HIP
             label = f"{target} {kernel.__name__} {options} " + " ".join(
                 f"{k}={v}" for k, v in ce.items() if k.isupper() and v is not None and not callable(v)) + ":"
             jobs.append((label, _builder(kernel, sig, ce, div, options, target)))

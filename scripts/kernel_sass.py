@@ -83,19 +83,21 @@ def signature(kernel: str, scheme: str) -> tuple[object, dict, list[str]]:
 
 
 def constexprs(kernel: str, scheme: str, block_m: int, block_n: int, block_k: int, top_k: int,
-               separate: bool = True, scaled: bool = False, pairs_hidden: int = 0) -> dict:
+               separate: bool = True, scaled: bool = False, pairs_hidden: int = 0, pdl: bool = False) -> dict:
     """The launchers' compile-time switches for a local-output call (GEMM2: the separate combine's, or with
     separate=False the counter combine's of a three-launch call); scaled: a8w4 through tl.dot_scaled;
-    pairs_hidden > 0: a pair-block call (T = 1, no routing launch, kernels/routing.py) of that H."""
+    pairs_hidden > 0: a pair-block call (T = 1, no routing launch, kernels/routing.py) of that H; pdl:
+    with programmatic dependent launch (kernels/common.py)."""
     common = dict(FP8=scheme in ("fp8", "a8w4"), W4=scheme in ("a16w4", "a8w4"), BIG=False, HAS_BIAS=True,
                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
                   IGROUP=Scheme(scheme).inter_group, INTERP=False, SCALED=scaled and scheme == "a8w4")
     if kernel == "gemm1":
         pairs = dict(PAIRS=True, KP2=triton.next_power_of_2(top_k), HG=triton.next_power_of_2(-(-pairs_hidden // 128))) \
             if pairs_hidden else dict(PAIRS=False, KP2=1, HG=1)
-        return {**common, "OAI": True, "CLAMP": False, "SPLIT": 1, "PHASE": 0, **pairs}
+        return {**common, "OAI": True, "CLAMP": False, "SPLIT": 1, "PHASE": 0, **pairs,
+                "PDL_WAIT": pdl and not pairs_hidden, "PDL_RELEASE": pdl}
     return {**common, "TOPK": top_k, "KP2": triton.next_power_of_2(top_k), "REMOTE": False, "SEPARATE": separate,
-            "SPLIT": 1, "PAIRS": pairs_hidden > 0}
+            "SPLIT": 1, "PAIRS": pairs_hidden > 0, "PDL": pdl}
 
 
 def loop_body(sass: str) -> list[str]:
@@ -119,11 +121,13 @@ def compile_sass(args: argparse.Namespace) -> tuple[dict, str]:
     if args.kernel == "gemm2" and args.pairs_hidden:  # the counter combine's partials are the fp32 workspace
         sig = {**sig, "partial_ptr": "*fp32"}
     ce = constexprs(args.kernel, args.scheme, args.block_m, args.block_n, args.block_k, args.top_k,
-                    separate=not args.pairs_hidden, scaled=args.scaled, pairs_hidden=args.pairs_hidden)
+                    separate=not args.pairs_hidden, scaled=args.scaled, pairs_hidden=args.pairs_hidden, pdl=args.pdl)
     names = list(sig) + list(ce)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in div}
     src = ASTSource(fn, {**sig, **{k: "constexpr" for k in ce}}, constexprs=ce, attrs=attrs)
     options = dict(num_warps=args.warps, num_stages=args.stages)
+    if args.pdl:
+        options["launch_pdl"] = True
     if args.maxnreg:  # Triton writes it into the PTX (.maxnreg), so the ptxas -v below applies it too
         options["maxnreg"] = args.maxnreg
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
@@ -176,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pairs-hidden", type=int, default=0, help="compile the T = 1 pair-block variant (no routing "
                    "launch; GEMM1 quantizes x itself) for this H (0: the sorted path's)")
     p.add_argument("--maxnreg", type=int, default=0, help="register cap per thread, as a tile config's maxnreg1/2 (0: none)")
+    p.add_argument("--pdl", action="store_true", help="with programmatic dependent launch (ATOM_MOE_PDL=1: GEMM2 "
+                   "prefetches its weight tile into L2 and waits for GEMM1)")
     p.add_argument("--scaled", action="store_true", help="a8w4 through tl.dot_scaled (gfx950's path; on sm_90a "
                    "Triton decomposes it)")
     p.add_argument("--top", type=int, default=16, help="most frequent instructions to list")

@@ -194,6 +194,12 @@ def test_every_launch_of_the_ops_builds_for_sm_90a():
             assert has("_gemm2_kernel", f"TOPK={k}", f"KP2={kp2}", f"SEPARATE={sep}"), (k, sep)
         assert has("_combine_kernel", f"TOPK={k}") and has("_dispatch_kernel", f"TOPK={k}"), k
         assert has("_gemm1_kernel", "PAIRS=True", f"KP2={kp2}") and has("_gemm2_kernel", "PAIRS=True", f"TOPK={k}"), k
+    # programmatic dependent launch (ATOM_MOE_PDL): routing and GEMM1 release the next launch, GEMM1 and GEMM2
+    # wait on the one before (GEMM1 with pair blocks only releases: its predecessor is not ours)
+    assert has("_routing_kernel", "PDL_RELEASE=True") and has("_gemm2_kernel", "PDL=True")
+    assert has("_gemm1_kernel", "PDL_WAIT=True", "PDL_RELEASE=True", "PHASE=0")
+    assert has("_gemm1_kernel", "PDL_WAIT=True", "PDL_RELEASE=True", "PHASE=2")
+    assert has("_gemm1_kernel", "PAIRS=True", "PDL_WAIT=False", "PDL_RELEASE=True")
     # T = 1's pair blocks (no routing launch) in every scheme, split-K's two GEMM1 launches too
     for flag in ("FP8=True W4=True", "FP8=True W4=False", "FP8=False W4=True", "FP8=False W4=False"):
         for phase in ("PHASE=0", "PHASE=1", "PHASE=2"):
@@ -351,12 +357,17 @@ def test_tk_routing_any_topk_matches_the_ids(vllm_src, monkeypatch, T, E, k):
         tk_baseline.tk_routing(logits, None, k, E)
 
 
-def test_pair_blocks_ab_needs_a_gpu():
-    # the T = 1 A/B (pair blocks against the sorted path) is a GPU timing script: without one it says so
-    script = str(ROOT / "scripts" / "pair_blocks_ab.py")
+def test_launch_ab_needs_a_gpu():
+    # the launch-chaining A/B (routing launch or pair blocks, with or without PDL) is a GPU timing script:
+    # without one it says so; pair-block arms run at T = 1 only
+    script = str(ROOT / "scripts" / "launch_ab.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, env=env, cwd=ROOT)
-    assert proc.returncode == 0 and "--rounds" in proc.stdout
+    assert proc.returncode == 0 and "--rounds" in proc.stdout and "pairs+pdl" in proc.stdout
     if not torch.cuda.is_available():
         proc = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, cwd=ROOT)
         assert proc.returncode == 1 and "needs a CUDA GPU" in proc.stderr
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import launch_ab
+    assert launch_ab.arms_at(list(launch_ab.ARMS), 1) == list(launch_ab.ARMS)
+    assert launch_ab.arms_at(list(launch_ab.ARMS), 8) == ["sorted", "sorted+pdl"]
