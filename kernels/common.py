@@ -106,6 +106,14 @@ def interpreting() -> bool:
 
 
 @triton.jit
+def checked_ids(raw, num_experts):
+    """(ok, ids as int32) of expert ids as loaded (int32 or int64): ok where in [0, num_experts), checked before
+    the ids are narrowed (an int64 id 2^32 + e is a sentinel, not expert e); -1 where not ok."""
+    ok = (raw >= 0) & (raw < num_experts)
+    return ok, tl.where(ok, raw, -1).to(tl.int32)
+
+
+@triton.jit
 def tile_ids(n_blocks, n_tiles_n, GROUP_M: tl.constexpr):
     """Grouped tile order: GROUP_M row blocks sweep all column tiles together, for L2 reuse."""
     pid = tl.program_id(0)

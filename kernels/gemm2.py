@@ -42,7 +42,8 @@ import triton.language as tl
 
 from atom_moe.spec import A8W4_INTER_GROUP
 
-from .common import QGROUP, cast, check_split, interpreting, pdl_options, pdl_wait, prefetch_l2, register_cap
+from .common import (QGROUP, cast, check_split, checked_ids, interpreting, pdl_options, pdl_wait, prefetch_l2,
+                     register_cap)
 from .mainloop import k_loop, tile_expert, tile_finish, tile_rows, tile_start
 from .mxfp4 import launch_args, rowexp_arg, scaled_dot
 
@@ -110,8 +111,9 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr
         # Which of this token's slots are local (read before the K loop so the latency hides):
         # their count is the counter value that completes the token.
         slot_ok = row_ok[:, None] & (j[None, :] < TOPK)
-        gid = tl.load(ids_ptr + tok[:, None] * TOPK + j[None, :], mask=slot_ok, other=-1).to(tl.int32)
-        slot_ok = slot_ok & (gid >= 0) & (gid < num_experts)
+        ok, gid = checked_ids(tl.load(ids_ptr + tok[:, None] * TOPK + j[None, :], mask=slot_ok, other=-1),
+                              num_experts)
+        slot_ok = slot_ok & ok
         slot_ok = slot_ok & (tl.load(emap_ptr + gid, mask=slot_ok, other=-1) >= 0)
         needed = tl.sum(slot_ok.to(tl.int32), 1) * SPLIT
     k_lo = 0
@@ -196,8 +198,8 @@ def _combine_kernel(partial_ptr, ids_ptr, emap_ptr, out_ptr, stride_out, num_exp
     h_ok = h < hidden
     j = tl.arange(0, KP2)
     slot_ok = j < TOPK
-    gid = tl.load(ids_ptr + t * TOPK + j, mask=slot_ok, other=-1).to(tl.int32)
-    slot_ok = slot_ok & (gid >= 0) & (gid < num_experts)
+    ok, gid = checked_ids(tl.load(ids_ptr + t * TOPK + j, mask=slot_ok, other=-1), num_experts)
+    slot_ok = slot_ok & ok
     slot_ok = slot_ok & (tl.load(emap_ptr + gid, mask=slot_ok, other=-1) >= 0)
     total = tl.zeros([BLOCK_H], dtype=tl.float32)
     for s in tl.static_range(TOPK):  # slot order: the same sum as the counter combine

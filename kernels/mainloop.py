@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import QGROUP, cast, dot, tile_ids
+from .common import QGROUP, cast, checked_ids, dot, tile_ids
 from .mxfp4 import row_factor, scale_step, swap_step, tile_offsets
 
 
@@ -36,8 +36,7 @@ def tile_expert(block_expert_ptr, n_blocks, n_col_tiles, GROUP_M: tl.constexpr, 
     pid_m, pid_n = tile_ids(n_blocks, n_col_tiles, GROUP_M)
     cache: tl.constexpr = ".cg" if L2_ONLY else ""
     if PAIRS:
-        gid = tl.load(ids_ptr + pid_m, cache_modifier=cache).to(tl.int32)
-        ok = (gid >= 0) & (gid < num_experts)
+        ok, gid = checked_ids(tl.load(ids_ptr + pid_m, cache_modifier=cache), num_experts)
         expert = tl.where(ok, tl.load(emap_ptr + gid, mask=ok, other=-1, cache_modifier=cache), -1)
     else:
         expert = tl.load(block_expert_ptr + pid_m, cache_modifier=cache)

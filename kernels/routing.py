@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FP8_MAX, cast, interpreting, pdl_release
+from .common import FP8_MAX, cast, checked_ids, interpreting, pdl_release
 
 # Pairs above which the sort runs as two launches. Program 0 costs 5-8 us per 1024 pairs; on
 # an H200 the split took DeepSeek-V3's routing from 122 to 43 us at 16k pairs and from 406 to
@@ -87,8 +87,8 @@ def _local_expert(ids_ptr, emap_ptr, pair, mask, num_experts, info_ptr, capacity
     """Local expert of each pair, -1 for sentinels (outside [0, E)), non-local experts and unsent rows."""
     if SENT:
         mask = _row_sent(info_ptr, pair // TOPK, mask, capacity)
-    gid = tl.load(ids_ptr + pair, mask=mask, other=-1).to(tl.int32)
-    ok = mask & (gid >= 0) & (gid < num_experts)
+    ok, gid = checked_ids(tl.load(ids_ptr + pair, mask=mask, other=-1), num_experts)
+    ok = mask & ok
     loc = tl.load(emap_ptr + gid, mask=ok, other=-1)
     return tl.where(ok, loc, -1)
 

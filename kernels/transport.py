@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FP8_MAX, cast, interpreting
+from .common import FP8_MAX, cast, checked_ids, interpreting
 
 FUSED, SPLIT = 1, 0  # combine modes, as stored in recv_info[:, 1]
 SPIN_LIMIT = 1 << 30  # barrier polls before giving up and raising the error flag
@@ -46,8 +46,7 @@ def _dispatch_kernel(x_ptr, stride_x, ids_ptr, w_ptr, owner_ptr, delta_ptr,
     # rejects a mask that mixes a vector with a 0-d comparison ('mask has unsupported dtype')
     jm = j < TOPK
     live = jm & ((j * 0 + t) < num_tokens)  # this program has a token to read
-    gid = tl.load(ids_ptr + t64 * TOPK + j, mask=live, other=-1).to(tl.int32)
-    valid = (gid >= 0) & (gid < num_experts)
+    valid, gid = checked_ids(tl.load(ids_ptr + t64 * TOPK + j, mask=live, other=-1), num_experts)
     owner = tl.load(owner_ptr + gid, mask=valid, other=-1)
     wt = tl.load(w_ptr + t64 * TOPK + j, mask=live, other=0.0).to(tl.float32)
     g = tl.arange(0, GP2)
@@ -115,8 +114,7 @@ def _combine_kernel(ids_ptr, owner_ptr, slots_ptr, returned_ptr, out_ptr, stride
     n = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     nm = n < hidden
     j = tl.arange(0, KP2)
-    gid = tl.load(ids_ptr + t64 * TOPK + j, mask=j < TOPK, other=-1).to(tl.int32)
-    valid = (gid >= 0) & (gid < num_experts)
+    valid, gid = checked_ids(tl.load(ids_ptr + t64 * TOPK + j, mask=j < TOPK, other=-1), num_experts)
     owner = tl.load(owner_ptr + gid, mask=valid, other=-1)
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     if FUSED_MODE:

@@ -150,3 +150,31 @@ def test_simulated_ranks_gpu_graph(world, scheme, wire, seed):
             ref = reference(full, ref_w, xs[r], ws[r], ids[r], wire)
             assert rel_err(outs[r], ref) <= 1e-2, f"replay {i} rank {r}: {rel_err(outs[r], ref)}"
     assert group.errors() == [0] * world
+
+
+@interpreter
+def test_wide_int64_ids_are_sentinels(seed):
+    """An int64 id outside [0, E) whose low 32 bits name an expert (2^32 + e) is a sentinel in the transport's
+    dispatch and combine too: the same bits as -1 there (the ids used to be narrowed before the range check)."""
+    from atom_moe.ep.simulate import SimulatedSymmGroup
+
+    full = MoESpec.create(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, scheme="bf16",
+                          max_tokens_per_rank=C)
+    owners = placement("uneven", 2)
+    specs = [full.for_rank(r, 2, tuple(owners[r])) for r in range(2)]
+    layers = [make_layer(full, specs[r], seed) for r in range(2)]
+    group = SimulatedSymmGroup(specs, C, "bf16")
+    ins = [make_case("random", full, r, 2, owners, seed) for r in range(2)]
+    wide, dead = [], []
+    for x, w, ids in ins:
+        ids = ids.long()
+        hit = torch.rand(ids.shape, device=ids.device) < 0.3
+        wide.append(torch.where(hit, ids + 2**32, ids))
+        dead.append(torch.where(hit, torch.full_like(ids, -1), ids))
+    results = []
+    for ids_now in (wide, dead):
+        outs = [torch.full_like(x, float("nan")) for x, _, _ in ins]
+        group.forward([lay[0] for lay in layers], [i[0] for i in ins], [i[1] for i in ins], ids_now, outs, [1, 0])
+        results.append(outs)
+    for r in range(2):
+        assert torch.isfinite(results[0][r]).all() and torch.equal(results[0][r], results[1][r]), f"rank {r}"

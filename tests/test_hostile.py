@@ -100,6 +100,26 @@ def test_megamoe_refuses_corrupt_expert_map(seed):
                 op(x, w, ids, q)
 
 
+# ---------------------------------------------------------------- wide int64 ids
+@pytest.mark.parametrize("call", ["torch", "triton", "separate", "pair_blocks"])
+def test_wide_int64_ids_are_sentinels(seed, call, monkeypatch):
+    # an int64 id outside [0, E) whose low 32 bits name an expert (2^32 + e, 2^31) contributes nothing, as
+    # -1 does, on every path: the kernels used to narrow the ids to int32 before the range check
+    spec, p = make_layer(H, I, E, K, "fp8", local_experts=(1, 2, 5, 6), device=DEVICE)
+    T1 = 1 if call == "pair_blocks" else T
+    w, ids = make_routing(T1, E, K, device=DEVICE)
+    ids = ids.long()
+    wide = ids.clone()
+    wide[0, 0] = 2**32 + 1
+    wide[:, -1] = torch.where(torch.arange(T1, device=DEVICE) % 2 == 0, 2**32 + 5, 2**31)
+    dead = torch.where(wide == ids, ids, torch.full_like(ids, -1))
+    x = torch.randn(T1, H, device=DEVICE).bfloat16()
+    kwargs = {"combine": "separate"} if call == "separate" else {"pair_blocks": True} if call == "pair_blocks" else {}
+    run = PATHS["torch" if call == "torch" else "triton"]
+    got, want = run(x, w, wide, p, spec, **kwargs), run(x, w, dead, p, spec, **kwargs)
+    assert torch.equal(got, want)
+
+
 # ---------------------------------------------------------------- non-finite input
 def _nan_case(scheme: str, oai: bool = False):
     spec, p = make_layer(H, I, E, K, scheme, oai=oai, bias=oai, device=DEVICE)
