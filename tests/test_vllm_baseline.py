@@ -254,8 +254,10 @@ def test_align_block_size_gpu_large(seed):
 
 @pytest.mark.parametrize("scheme", ["bf16", "fp8"])
 def test_reference_rows_ignore_sentinels_and_other_ranks(seed, scheme):
-    # -1 / E ids and experts another rank holds contribute nothing: the same rows as those slots pointed at a
-    # held expert with weight 0 (an E id used to index past expert_map)
+    # E ids and experts another rank holds contribute nothing, as -1 does (an E id used to index past
+    # expert_map); against the fp32 oracle the rows keep vLLM's roundings (fp8: 3.0e-2 at worst over 60 seeds of
+    # these 9 tokens, 2026-12-04; a slot mapped to a wrong expert is far outside 5e-2)
+    from kernel_cases import reference, rel_err
     spec, p = make_layer(256, 128, 6, 3, scheme, local_experts=(1, 2, 4, 5), device=DEVICE)
     w, ids = make_routing(9, 6, 3, mode="sentinels", device=DEVICE)
     ids[1, 0], ids[2, 1] = 6, 3  # an E sentinel and an expert of the other rank
@@ -263,5 +265,7 @@ def test_reference_rows_ignore_sentinels_and_other_ranks(seed, scheme):
     dead = (ids < 0) | (ids >= 6) | (ids == 0) | (ids == 3)
     assert dead.any() and (~dead).any()
     got = vb.reference_rows(p, spec, x, w, ids)
-    same = vb.reference_rows(p, spec, x, torch.where(dead, 0.0, w), torch.where(dead, 1, ids).to(ids.dtype))
-    assert torch.equal(got, same) and (got[dead.all(1)] == 0).all()
+    assert torch.equal(got, vb.reference_rows(p, spec, x, w, torch.where(dead, -1, ids).to(ids.dtype)))
+    assert (got[dead.all(1)] == 0).all()
+    oracle = reference(x, w, ids, spec, p, act_quant=scheme == "fp8")
+    assert rel_err(got, oracle) <= (5e-2 if scheme == "fp8" else 1e-2)
