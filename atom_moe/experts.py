@@ -52,6 +52,13 @@ def pair_blocks_enabled() -> bool:
     return flag == "1"
 
 
+def launch_flags() -> str:
+    """The launch-chaining flags this process has on ("ATOM_MOE_PAIR_BLOCKS=1 ATOM_MOE_PDL=1", or ""): benchmark
+    rows carry them, so a time is never read as the default path's when it was not."""
+    from atom_moe.kernels.common import PDL_FLAG  # lazy: the package imports without Triton
+    return " ".join(f"{flag}=1" for flag in (PAIR_BLOCKS_FLAG, PDL_FLAG) if os.environ.get(flag) == "1")
+
+
 def _kernels():
     # Imported lazily: the package imports without Triton; only this path needs it.
     from atom_moe.kernels import common, gemm1, gemm2, routing, tuning

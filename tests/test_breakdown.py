@@ -197,7 +197,7 @@ def test_measure_rows_at_one_token(scheme, monkeypatch):
     for r in rows[:2]:
         assert (r["bytes"], r["flops"]) == (terms[r["kernel"]].bytes, terms[r["kernel"]].flops)
         assert r["programs"] == r["active_programs"]
-    assert rows[2]["note"] == "sum of kernels 4.0 us"
+    assert rows[2]["note"] == "sum of kernels 4.0 us; ATOM_MOE_PAIR_BLOCKS=1"  # the mode is named in the row
 
 
 def test_measure_rows_separate_combine_and_split_sort(monkeypatch):

@@ -41,6 +41,19 @@ def test_the_switch(monkeypatch):
     assert common.pdl_options(True) == {"launch_pdl": True} and common.pdl_options(False) == {}
 
 
+def test_launch_flags_are_named_for_benchmark_rows(monkeypatch):
+    from atom_moe.experts import launch_flags
+    monkeypatch.delenv("ATOM_MOE_PDL", raising=False)
+    monkeypatch.delenv("ATOM_MOE_PAIR_BLOCKS", raising=False)
+    assert launch_flags() == ""
+    monkeypatch.setenv("ATOM_MOE_PDL", "1")
+    assert launch_flags() == "ATOM_MOE_PDL=1"
+    monkeypatch.setenv("ATOM_MOE_PAIR_BLOCKS", "1")
+    assert launch_flags() == "ATOM_MOE_PAIR_BLOCKS=1 ATOM_MOE_PDL=1"
+    monkeypatch.setenv("ATOM_MOE_PDL", "0")
+    assert launch_flags() == "ATOM_MOE_PAIR_BLOCKS=1"
+
+
 def _chain(spec, p, xs, w, ids, ws, outs, **kwargs) -> None:
     """Three layers in a row on the same weights: each one's output is the next one's input."""
     for i in range(3):

@@ -138,7 +138,7 @@ def candidates(scheme: str, tokens: int, spec) -> list:
 
 def run(args: argparse.Namespace) -> list[dict]:
     """Run the benchmark described by args; write the CSV (and PNG); return the rows."""
-    from ..experts import allocate_workspace, device_name, fused_experts
+    from ..experts import allocate_workspace, device_name, fused_experts, launch_flags
     if getattr(args, "ep", 1) > 1:
         from . import bench_ep
         if args.csv == Path("bench.csv"):
@@ -207,7 +207,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                     raise RuntimeError(f"no config ran for {name} {scheme} T={T}")
                 from ..kernels.tuning import lookup
                 used = best[1] or lookup(dev, scheme, H, I, E, k, T)
-                row("atom_moe", best[0], config=cfg_str(used))
+                row("atom_moe", best[0], config=cfg_str(used), note=launch_flags())
                 tuned.append(dict(device=dev, scheme=scheme, H=H, I=I, E=E, top_k=k, tokens=T, **asdict(used),
                                   us=round(best[0], 2)))
                 if scheme == "bf16" and grouped and not args.no_baseline:

@@ -259,7 +259,7 @@ def measure_rows(timer: Any, spec: Any, weights: Any, ws: Any, x: torch.Tensor, 
                  ceil: dict[str, float], *, sms: int, props: Any = None, labels: dict | None = None,
                  combine: str = "auto") -> list[dict]:
     """One row per launch of fused_experts(x, w, ids) plus a 'layer' row; timer.graph_us(fn, prepare) times each."""
-    from ..experts import device_name, fused_experts
+    from ..experts import device_name, fused_experts, launch_flags
     from ..kernels.tuning import lookup
     H, I, k, E = spec.hidden_size, spec.intermediate_size, spec.top_k, spec.num_local_experts
     scheme, T = spec.scheme.value, x.shape[0]
@@ -304,6 +304,8 @@ def measure_rows(timer: Any, spec: Any, weights: Any, ws: Any, x: torch.Tensor, 
             r.update(note="unknown kernel: no byte/flop terms")
         rows.append(r)
     note = f"sum of kernels {sum(r['us'] for r in rows):.1f} us"
+    if launch_flags():
+        note += f"; {launch_flags()}"
     if not torch.equal(out, ref):
         note += "; the last lone replay did not rebuild the layer's output (its time is suspect)"
     if stages not in (["routing", "gemm1", "gemm2"], ["gemm1", "gemm2"]):
