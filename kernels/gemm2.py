@@ -111,9 +111,9 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr
         # Which of this token's slots are local (read before the K loop so the latency hides):
         # their count is the counter value that completes the token.
         slot_ok = row_ok[:, None] & (j[None, :] < TOPK)
-        ok, gid = checked_ids(tl.load(ids_ptr + tok[:, None] * TOPK + j[None, :], mask=slot_ok, other=-1),
-                              num_experts)
-        slot_ok = slot_ok & ok
+        id_ok, gid = checked_ids(tl.load(ids_ptr + tok[:, None] * TOPK + j[None, :], mask=slot_ok, other=-1),
+                                 num_experts)
+        slot_ok = slot_ok & id_ok
         slot_ok = slot_ok & (tl.load(emap_ptr + gid, mask=slot_ok, other=-1) >= 0)
         needed = tl.sum(slot_ok.to(tl.int32), 1) * SPLIT
     k_lo = 0
@@ -198,8 +198,8 @@ def _combine_kernel(partial_ptr, ids_ptr, emap_ptr, out_ptr, stride_out, num_exp
     h_ok = h < hidden
     j = tl.arange(0, KP2)
     slot_ok = j < TOPK
-    ok, gid = checked_ids(tl.load(ids_ptr + t * TOPK + j, mask=slot_ok, other=-1), num_experts)
-    slot_ok = slot_ok & ok
+    id_ok, gid = checked_ids(tl.load(ids_ptr + t * TOPK + j, mask=slot_ok, other=-1), num_experts)
+    slot_ok = slot_ok & id_ok
     slot_ok = slot_ok & (tl.load(emap_ptr + gid, mask=slot_ok, other=-1) >= 0)
     total = tl.zeros([BLOCK_H], dtype=tl.float32)
     for s in tl.static_range(TOPK):  # slot order: the same sum as the counter combine
