@@ -77,3 +77,13 @@ def flushable_mxfp4(E: int, H: int, I: int, drop: float) -> list[tuple[torch.Ten
         scales[low] = torch.randint(90, 108, (int(low.sum()),), dtype=torch.uint8)
         return packed, scales
     return [(*block(2 * I, H), *block(H, I)) for _ in range(E)]
+
+
+def poison(ws) -> None:
+    """Fill every workspace buffer with garbage (NaN for floats) so unwritten reads show."""
+    for name in ("sorted_ids", "block_expert", "cursor", "chunk_counts", "counters"):
+        getattr(ws, name).fill_(-7777)
+    for name in ("partial", "inter", "inter_scale", "x_q", "x_scale"):
+        t = getattr(ws, name)
+        if t is not None:
+            t.view(torch.uint8).fill_(0xFF)  # NaN in fp32, bf16 and e4m3

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_cases import make_layer, make_routing, reference, rel_err  # noqa: E402
+from kernel_cases import make_layer, make_routing, poison, reference, rel_err  # noqa: E402
 
 from atom_moe import formats  # noqa: E402
 from atom_moe.experts import allocate_workspace, fused_experts  # noqa: E402
@@ -23,16 +23,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 
-def _poison(ws) -> None:
-    """Fill every workspace buffer with garbage (NaN for floats) so unwritten reads show."""
-    for name in ("sorted_ids", "block_expert", "cursor", "chunk_counts", "counters"):
-        getattr(ws, name).fill_(-7777)
-    for name in ("partial", "inter", "inter_scale", "x_q", "x_scale"):
-        t = getattr(ws, name)
-        if t is not None:
-            t.view(torch.uint8).fill_(0xFF)  # NaN in fp32, bf16 and e4m3
-
-
 # ---------------------------------------------------------------- routing metadata
 @pytest.mark.parametrize("mode", ["random", "sentinels", "one_expert"])
 @pytest.mark.parametrize("block_m", [16, 32])
@@ -43,7 +33,7 @@ def test_routing_metadata_matches_twin(seed, mode, block_m):
     w, ids = make_routing(T, E, k, mode=mode, device=DEVICE)
     ids = ids.to(torch.int64) if seed % 2 else ids  # both id dtypes engines use
     ws = allocate_workspace(spec, T, DEVICE)
-    _poison(ws)
+    poison(ws)
     x = torch.randn(T, spec.hidden_size, device=DEVICE, dtype=torch.bfloat16)
     out = torch.full((T, spec.hidden_size), float("nan"), device=DEVICE, dtype=torch.bfloat16)
     routing.routing_metadata(ids, p.expert_map, len(local), block_m, ws.sorted_ids, ws.block_expert, ws.cursor,
@@ -109,7 +99,7 @@ def test_split_routing_matches_twin(seed, monkeypatch, mode, block_m, sort_chunk
     ids = _split_ids(mode, T, E, k).to(DEVICE)
     ids = ids.to(torch.int64) if seed % 2 else ids
     ws = allocate_workspace(spec, T, DEVICE)
-    _poison(ws)
+    poison(ws)
     x = torch.randn(T, spec.hidden_size, device=DEVICE, dtype=torch.bfloat16)
     out = torch.full((T, spec.hidden_size), float("nan"), device=DEVICE, dtype=torch.bfloat16)
     routing.routing_metadata(ids, p.expert_map, len(local), block_m, ws.sorted_ids, ws.block_expert, ws.cursor,
@@ -140,7 +130,7 @@ def test_routing_sent_rows(seed, monkeypatch, split):
     info = torch.zeros(W, 2, dtype=torch.int32)
     info[:, 0] = torch.tensor([C, 0, int(torch.randint(1, C, ()))])  # full, none, some
     ws = allocate_workspace(spec, W * C, DEVICE)
-    _poison(ws)
+    poison(ws)
     x = torch.randn(W * C, 160, device=DEVICE, dtype=torch.bfloat16)
     routing.routing_metadata(ids, p.expert_map, len(local), block_m, ws.sorted_ids, ws.block_expert, ws.cursor,
                              x, None, ws.counters, ws.n_counters, sent=(info.to(DEVICE), C),
@@ -176,7 +166,7 @@ def test_fused_experts_split_routing(seed, monkeypatch, scheme, mode, local):
     one = fused_experts(x, w, ids, p, spec)
     _split(monkeypatch)
     ws = allocate_workspace(spec, T, DEVICE)
-    _poison(ws)
+    poison(ws)
     out = torch.full((T, H), float("nan"), device=DEVICE, dtype=torch.bfloat16)
     launches = record_launches(lambda: fused_experts(x, w, ids, p, spec, workspace=ws, out=out))
     stages = [launch.stage for launch in launches]
@@ -248,7 +238,7 @@ def test_fused_experts_matches_reference(seed, case):
     w, ids = make_routing(T, E, k, mode=mode, device=DEVICE)
     x = torch.randn(T, H, device=DEVICE).to(torch.bfloat16)
     ws = allocate_workspace(spec, T, DEVICE)
-    _poison(ws)
+    poison(ws)
     out = torch.full((T, H), float("nan"), device=DEVICE, dtype=torch.bfloat16)
     got = fused_experts(x, w, ids, p, spec, workspace=ws, out=out)
     assert got.data_ptr() == out.data_ptr() and got.dtype == torch.bfloat16
@@ -323,7 +313,7 @@ def test_combine_is_a_fixed_order_sum(seed):
     w, ids = make_routing(T, 4, 3, mode="sentinels", device=DEVICE)
     x = torch.randn(T, 160, device=DEVICE).to(torch.bfloat16)
     ws = allocate_workspace(spec, T, DEVICE)
-    _poison(ws)
+    poison(ws)
     got = fused_experts(x, w, ids, p, spec, workspace=ws)
     valid = local_ids(ids, p.expert_map) >= 0
     partial = ws.partial[:T * 3].view(T, 3, 160)
@@ -349,7 +339,7 @@ def test_separate_combine_is_a_fixed_order_sum(seed, scheme, x_dtype, local):
     w, ids = make_routing(T, E, k, mode="sentinels", device=DEVICE)
     x = torch.randn(T, H, device=DEVICE, dtype=x_dtype)
     ws = allocate_workspace(spec, T, DEVICE)
-    _poison(ws)
+    poison(ws)
     out = torch.full((T, H), float("nan"), device=DEVICE, dtype=x_dtype)
     launches = record_launches(lambda: fused_experts(x, w, ids, p, spec, workspace=ws, out=out, combine="separate"))
     assert [launch.name for launch in launches][-2:] == ["_gemm2_kernel", "_combine_kernel"]

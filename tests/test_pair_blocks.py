@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_cases import make_layer, make_routing, rel_err  # noqa: E402
+from kernel_cases import make_layer, make_routing, poison, rel_err  # noqa: E402
 
 from atom_moe.experts import allocate_workspace, fused_experts  # noqa: E402
 from atom_moe.experts_torch import experts_torch  # noqa: E402
@@ -36,12 +36,7 @@ def _pair_blocks_on(monkeypatch):
 
 def _poisoned(spec, T: int):
     ws = allocate_workspace(spec, T, DEVICE)
-    for name in ("sorted_ids", "block_expert", "cursor", "chunk_counts", "counters"):
-        getattr(ws, name).fill_(-7777)
-    for name in ("partial", "inter", "inter_scale", "x_q", "x_scale"):
-        t = getattr(ws, name)
-        if t is not None:
-            t.view(torch.uint8).fill_(0xFF)  # NaN in fp32, bf16 and e4m3
+    poison(ws)
     return ws
 
 
