@@ -53,10 +53,10 @@ def pair_blocks_enabled() -> bool:
 
 
 def launch_flags() -> str:
-    """The launch-chaining flags this process has on ("ATOM_MOE_PAIR_BLOCKS=1 ATOM_MOE_PDL=1", or ""): benchmark
+    """The launch flags this process has on ("ATOM_MOE_PAIR_BLOCKS=1 ATOM_MOE_PDL=1 ATOM_MOE_TMA=1", or ""): benchmark
     rows carry them, so a time is never read as the default path's when it was not."""
-    from atom_moe.kernels.common import PDL_FLAG  # lazy: the package imports without Triton
-    return " ".join(f"{flag}=1" for flag in (PAIR_BLOCKS_FLAG, PDL_FLAG) if os.environ.get(flag) == "1")
+    from atom_moe.kernels.common import PDL_FLAG, TMA_FLAG  # lazy: the package imports without Triton
+    return " ".join(f"{flag}=1" for flag in (PAIR_BLOCKS_FLAG, PDL_FLAG, TMA_FLAG) if os.environ.get(flag) == "1")
 
 
 def _kernels():
@@ -233,6 +233,7 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     # programmatic dependent launch (ATOM_MOE_PDL=1, NVIDIA sm_90+): GEMM1 and GEMM2 start while the launch before
     # them finishes; GEMM2 fetches its weights into L2 meanwhile. Local output only
     pdl = common.pdl(x.device) and remote is None
+    tma = common.tma(x.device)  # ATOM_MOE_TMA=1: bf16 / fp8 tiles through TMA descriptors
     if pairs is not None:
         n_blocks = T * k
     else:
@@ -256,7 +257,7 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
                 block_m=cfg.block_m, block_n=cfg.block_n1, block_k=cfg.block_k1,
                 num_warps=cfg.warps1, num_stages=cfg.stages1, group_m=cfg.group_m, mx_big=weights.mx_scale_max > 128,
                 w13_rowexp_t=weights.w13_rowexp, mx_flush=weights.mx_flush,
-                split_k=split_k, partial=ws.partial, maxnreg=cfg.maxnreg1, pairs=pairs, pdl=pdl)
+                split_k=split_k, partial=ws.partial, maxnreg=cfg.maxnreg1, pairs=pairs, pdl=pdl, tma=tma)
     separate = remote is None and (combine == "separate" or (combine is None and T * k >= gemm2.SEPARATE_MIN_PAIRS))
     partial = gemm2.separate_partial(ws.partial, out) if separate else ws.partial
     split_k2 = cfg.split_k2 if decode and not separate and remote is None else 1
@@ -267,7 +268,7 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
                 num_warps=cfg.warps2, num_stages=cfg.stages2, group_m=cfg.group_m, remote=remote,
                 hidden=weights.hidden_size, mx_big=weights.mx_scale_max > 128,
                 w2_rowexp=weights.w2_rowexp, mx_flush=weights.mx_flush, separate=separate, split_k=split_k2,
-                maxnreg=cfg.maxnreg2, pairs=pairs is not None, pdl=pdl)
+                maxnreg=cfg.maxnreg2, pairs=pairs is not None, pdl=pdl, tma=tma)
     if separate:
         gemm2.combine(partial, topk_ids, weights.expert_map, out)
     return out

@@ -1,5 +1,5 @@
 """Pieces shared by the kernels: constants, tile order, bf16 dot, rounding cast, interpreter switch,
-the split-K bounds, programmatic dependent launch (PDL) and an L2 prefetch."""
+the split-K bounds, programmatic dependent launch (PDL), an L2 prefetch and TMA tile descriptors."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 # Kernel-visible constants must be tl.constexpr globals.
 FP8_MAX = tl.constexpr(448.0)  # largest finite e4m3
@@ -65,6 +66,34 @@ def pdl(device: torch.device) -> bool:
     if flag != "1" or device.type != "cuda" or torch.version.hip is not None or interpreting():
         return False
     return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+
+
+TMA_FLAG = "ATOM_MOE_TMA"
+
+
+def tma(device: torch.device) -> bool:
+    """Whether the bf16 and fp8 GEMMs load their weight tiles (and GEMM2 its activation rows) through TMA tensor
+    descriptors: ATOM_MOE_TMA=1 on an NVIDIA GPU of compute capability 9.0 or later, or under the interpreter (which
+    runs descriptor loads, for the tests); off on HIP and by default: not yet timed."""
+    flag = os.environ.get(TMA_FLAG, "")
+    if flag not in ("", "0", "1"):
+        raise ValueError(f"{TMA_FLAG}={flag!r}: allowed are 1 (bf16 / fp8 GEMM tiles through TMA descriptors; NVIDIA "
+                         "sm_90+) or 0 / unset (per-thread loads)")
+    if flag != "1" or torch.version.hip is not None:
+        return False
+    if interpreting():
+        return True
+    return device.type == "cuda" and _capability(device.index if device.index is not None
+                                                 else torch.cuda.current_device()) >= (9, 0)
+
+
+def tile_desc(t: torch.Tensor, rows: int, block: tuple[int, int]) -> TensorDescriptor | None:
+    """A TMA descriptor over contiguous `t` seen as [rows, t.shape[-1]] that loads `block` tiles (zeros past its
+    edges), or None where TMA cannot address it: base or row not a multiple of 16 bytes."""
+    cols = t.shape[-1]
+    if not t.is_contiguous() or t.data_ptr() % 16 or cols * t.element_size() % 16 or t.numel() != rows * cols:
+        return None
+    return TensorDescriptor(t, [rows, cols], [cols, 1], list(block))
 
 
 def pdl_options(dependent: bool) -> dict:

@@ -31,7 +31,8 @@ import triton.language as tl
 from atom_moe.layouts.gate_up import GateUpKind, GateUpLayout, GateUpTensor, LayoutError, require
 from atom_moe.spec import A8W4_INTER_GROUP
 
-from .common import FP8_MAX, QGROUP, cast, check_split, interpreting, pdl_options, pdl_release, pdl_wait, register_cap
+from .common import (FP8_MAX, QGROUP, cast, check_split, interpreting, pdl_options, pdl_release, pdl_wait, register_cap,
+                     tile_desc)
 from .mainloop import k_loop, tile_expert, tile_finish, tile_rows, tile_start
 from .mxfp4 import launch_args, rowexp_arg, scaled_dot
 from .routing import PairBlocks, local_slots, quant_row, zero_counters, zero_row
@@ -43,13 +44,13 @@ GROUP = 128  # host-side twin of common.QGROUP
 def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr, block_expert_ptr,
                   out_ptr, outs_ptr, num_pairs, top_k, hidden, inter, n_blocks, alpha, limit, row_blocks, k_blocks,
                   part_ptr, k_span, ids_ptr, emap_ptr, num_experts, src_ptr, stride_src, counters_ptr, n_counters,
-                  layer_out_ptr, stride_layer_out,
+                  layer_out_ptr, stride_layer_out, w_desc,
                   SPLIT: tl.constexpr, PHASE: tl.constexpr, FP8: tl.constexpr, W4: tl.constexpr,
                   BIG: tl.constexpr, OAI: tl.constexpr, CLAMP: tl.constexpr,
                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, IGROUP: tl.constexpr, INTERP: tl.constexpr, SCALED: tl.constexpr,
                   PAIRS: tl.constexpr, KP2: tl.constexpr, HG: tl.constexpr, PDL_WAIT: tl.constexpr,
-                  PDL_RELEASE: tl.constexpr):
+                  PDL_RELEASE: tl.constexpr, TMA_W: tl.constexpr):
     # PDL (kernels/common.py): wait for the launch before (it may still run), then let GEMM2 start; GEMM2 reads
     # nothing of ours before its own wait
     pdl_wait(PDL_WAIT)
@@ -70,12 +71,15 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, 
     a_ptrs, as_ptrs, w_ptrs, w_off, s_off, nb_ok, kb = tile_start(
         x_ptr, tok, stride_x, xs_ptr, w_ptr, e64, pid_n, n, n_out, hidden, row_blocks, k_blocks,
         QGROUP, FP8, W4, BLOCK_N, BLOCK_K, SCALED)
-    ws_ptrs = ws_ptr  # read only by the fp8 scheme
+    ws_lo = ws_ptr  # read only by the fp8 scheme
+    ws_hi = ws_ptr
+    ws_sel = tl.arange(0, BLOCK_N) % 2 == 1
     if FP8 and not W4:
-        # output pair j = n // 2 uses scale [e, j // 128, n % 2, kb]
+        # output pair j = n // 2 uses scale [e, j // 128, n % 2, kb]; the tile (BLOCK_N = 256) is pair group
+        # pid_n: its gate rows (even n) share one scale per K group, its up rows (ws_sel) another
         k_groups = tl.cdiv(hidden, QGROUP)
-        ws_ptrs = ws_ptr + e64 * (tl.cdiv(inter, QGROUP) * 2 * k_groups) \
-            + (n // 2 // QGROUP) * (2 * k_groups) + (n % 2) * k_groups
+        ws_lo = ws_ptr + e64 * (tl.cdiv(inter, QGROUP) * 2 * k_groups) + pid_n * (2 * k_groups)
+        ws_hi = ws_lo + k_groups
     # PHASE 0: the whole K. Split-K (decode: too few tiles to fill the SMs), PHASE 1: program (tile, s)
     # stores the fp32 sum over its K slice [s * k_span, (s + 1) * k_span) to part[s, pair]; PHASE 2 (a
     # second launch, one program per tile) adds the SPLIT slices in order s = 0, 1, ... (deterministic)
@@ -102,8 +106,9 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, 
         if PHASE == 1:
             k_lo = tl.program_id(1) * k_span
             k_hi = tl.minimum(k_lo + k_span, hidden)
-        acc = k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_ptrs, n_ok, w_off, s_off, nb_ok, kb,
-                     k_blocks, hidden, k_lo, k_hi, QGROUP, FP8, W4, BIG, BLOCK_M, BLOCK_N, BLOCK_K, INTERP, SCALED)
+        acc = k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, ws_hi, ws_sel, n_ok, w_off, s_off, nb_ok, kb,
+                     k_blocks, hidden, k_lo, k_hi, x_ptr, 0, w_desc, (expert * n_out + pid_n * BLOCK_N).to(tl.int32),
+                     QGROUP, FP8, W4, BIG, BLOCK_M, BLOCK_N, BLOCK_K, INTERP, SCALED, TMA_W=TMA_W)
         if PHASE == 1:
             tl.store(p_ptrs + tl.program_id(1) * slab, acc, mask=p_mask)
             return
@@ -168,7 +173,7 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
           group_m: int = 8, mx_big: bool = False, w13_rowexp_t: GateUpTensor | None = None,
           mx_flush: bool = False, clamp: bool = False, split_k: int = 1,
           partial: torch.Tensor | None = None, maxnreg: int = 0, pairs: PairBlocks | None = None,
-          pdl: bool = False) -> None:
+          pdl: bool = False, tma: bool = False) -> None:
     """out[row, :I] = act(x[token(row)] @ w13[expert(row)]^T (+bias)), fp8-quantized when out_scale is given.
 
     act: silu(gate) * up; with clamp (DeepSeek-V4) gate <= limit and |up| <= limit first; with oai
@@ -186,6 +191,8 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
     pdl: programmatic dependent launch (kernels/common.py `pdl`): the launch waits on the routing launch
     before it (not with pairs: its predecessor is not ours) and releases the next (GEMM2, or split-K's
     second launch) at its start.
+    tma: bf16 / fp8 weight tiles through a TMA descriptor (kernels/common.py `tma`) where TMA can address
+    w13 (else, and for MXFP4, per-thread loads); token rows are gathered, so x is always read per thread.
     """
     # The pairing of gate and up rows is checked, never assumed: a mispaired layout runs fine
     # and silently ruins accuracy.
@@ -233,12 +240,13 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
                              "contiguous")
     # BIG is each MX layout's one compile-time switch: a16w4's scales above 128, a8w4's flushed blocks
     tiles = n_blocks * triton.cdiv(2 * inter, block_n)
+    w_desc = tile_desc(w13, w13.shape[0] * w13.shape[1], (block_n, block_k)) if tma and not w4 else None
     args = (x, x.stride(0), x_scale if fp8 else x, w13, w13_scale if w13_scale is not None else w13, rowexp,
             w13_bias if w13_bias is not None else w13, sorted_ids, block_expert,
             out, out_scale if fp8 else out, num_tokens * top_k, top_k, hidden, inter, n_blocks,
             float(alpha), float(limit), row_blocks, k_blocks,
             partial if split > 1 else out, triton.cdiv(triton.cdiv(hidden, block_k), split) * block_k,
-            *_pair_args(pairs, out))
+            *_pair_args(pairs, out), w_desc if w_desc is not None else w13)
     meta = dict(SPLIT=split, FP8=fp8, W4=w4, BIG=w4 and (mx_flush if fp8 else mx_big), OAI=oai,
                 CLAMP=clamp, HAS_BIAS=w13_bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                 GROUP_M=group_m, IGROUP=igroup, INTERP=interpreting(),
@@ -246,7 +254,7 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
                 # the token's slots and its row in 128-groups (pair blocks only: 1 keeps other launches as they were)
                 KP2=1 if pairs is None else triton.next_power_of_2(top_k),
                 HG=1 if pairs is None else triton.next_power_of_2(triton.cdiv(hidden, GROUP)),
-                num_warps=num_warps, num_stages=num_stages, **register_cap(maxnreg))
+                TMA_W=w_desc is not None, num_warps=num_warps, num_stages=num_stages, **register_cap(maxnreg))
     first = pdl and pairs is None  # the routing launch came just before
     phases = [(0, (tiles,))] if split == 1 else [(1, (tiles, split)), (2, (tiles,))]
     for phase, grid in phases:

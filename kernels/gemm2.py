@@ -43,7 +43,7 @@ import triton.language as tl
 from atom_moe.spec import A8W4_INTER_GROUP
 
 from .common import (QGROUP, cast, check_split, checked_ids, interpreting, pdl_options, pdl_wait, prefetch_l2,
-                     register_cap)
+                     register_cap, tile_desc)
 from .mainloop import k_loop, tile_expert, tile_finish, tile_rows, tile_start
 from .mxfp4 import launch_args, rowexp_arg, scaled_dot
 
@@ -79,11 +79,12 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr
                   ids_ptr, emap_ptr, topk_w_ptr, partial_ptr, counters_ptr, n_counters, out_ptr, stride_out,
                   num_pairs, num_experts, hidden, inter, n_blocks,
                   delta_ptr, info_ptr, slots_ptr, returned_ptr, capacity, rank, row_blocks, k_blocks, k_span,
-                  SPLIT: tl.constexpr, FP8: tl.constexpr, W4: tl.constexpr, BIG: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  a_desc, w_desc, SPLIT: tl.constexpr, FP8: tl.constexpr, W4: tl.constexpr, BIG: tl.constexpr, HAS_BIAS: tl.constexpr,
                   TOPK: tl.constexpr, KP2: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, IGROUP: tl.constexpr, INTERP: tl.constexpr, REMOTE: tl.constexpr,
-                  SEPARATE: tl.constexpr, SCALED: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr):
+                  SEPARATE: tl.constexpr, SCALED: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr,
+                  TMA_A: tl.constexpr, TMA_W: tl.constexpr):
     pid_m, pid_n, expert = tile_expert(block_expert_ptr, n_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M, ids_ptr,
                                        emap_ptr, num_experts, PAIRS, PDL)
     if PDL:  # launched while GEMM1 runs: ask L2 for this tile's weights, then wait for GEMM1's output
@@ -101,10 +102,15 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr
     a_ptrs, as_ptrs, w_ptrs, w_off, s_off, nb_ok, kb = tile_start(
         a_ptr, rows.to(tl.int64), inter, as_ptr, w_ptr, e64, pid_n, n, hidden, inter, row_blocks, k_blocks,
         IGROUP, FP8, W4, BLOCK_N, BLOCK_K, SCALED)
-    ws_ptrs = ws_ptr  # read only by the fp8 scheme
+    ws_lo = ws_ptr  # read only by the fp8 scheme
+    ws_hi = ws_ptr
+    ws_sel = tl.arange(0, BLOCK_N) >= QGROUP
     if FP8 and not W4:
+        # the tile's columns (BLOCK_N <= 256) lie in one or two 128-row blocks of w2: ws_sel marks the second's
         k_groups = tl.cdiv(inter, IGROUP)
-        ws_ptrs = ws_ptr + e64 * (tl.cdiv(hidden, QGROUP) * k_groups) + (n // QGROUP) * k_groups
+        first = pid_n * BLOCK_N // QGROUP
+        ws_lo = ws_ptr + e64 * (tl.cdiv(hidden, QGROUP) * k_groups) + first * k_groups
+        ws_hi = ws_lo + tl.where((first + 1) * QGROUP < hidden, k_groups, 0)  # no second block: its columns are past H
     tok = pair64 // TOPK
     j = tl.arange(0, KP2)
     if not SEPARATE:
@@ -121,8 +127,9 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr
     if SPLIT > 1:
         k_lo = tl.program_id(1) * k_span
         k_hi = tl.minimum(k_lo + k_span, inter)
-    acc = k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_ptrs, n_ok, w_off, s_off, nb_ok, kb, k_blocks,
-                 inter, k_lo, k_hi, IGROUP, FP8, W4, BIG, BLOCK_M, BLOCK_N, BLOCK_K, INTERP, SCALED)
+    acc = k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, ws_hi, ws_sel, n_ok, w_off, s_off, nb_ok, kb, k_blocks,
+                 inter, k_lo, k_hi, a_desc, pid_m * BLOCK_M, w_desc, (expert * hidden + pid_n * BLOCK_N).to(tl.int32),
+                 IGROUP, FP8, W4, BIG, BLOCK_M, BLOCK_N, BLOCK_K, INTERP, SCALED, TMA_A, TMA_W)
     acc = tile_finish(acc, rowexp_ptr, bias_ptr, e64, n, n_ok, hidden, FP8, W4, HAS_BIAS and SPLIT == 1)
     if HAS_BIAS and SPLIT > 1:  # once per row: by slice 0 (the flag as a vector: triton 3.9's interpreter)
         first = (tl.zeros([BLOCK_N], tl.int32) + tl.program_id(1)) == 0
@@ -240,7 +247,7 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
           block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int, group_m: int = 8,
           remote: "RemoteOutput | None" = None, separate: bool = False, hidden: int | None = None,
           mx_big: bool = False, w2_rowexp: torch.Tensor | None = None, mx_flush: bool = False,
-          split_k: int = 1, maxnreg: int = 0, pairs: bool = False, pdl: bool = False) -> None:
+          split_k: int = 1, maxnreg: int = 0, pairs: bool = False, pdl: bool = False, tma: bool = False) -> None:
     """out[t] = sum_k w[t,k] * (act[row(t,k)] @ w2[e]^T (+bias)), deterministic combine.
 
     remote: push the results to the source ranks instead of `out` (see the module docstring).
@@ -255,6 +262,8 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
     pdl: launched with programmatic dependent launch after a GEMM1 that releases it early
     (kernels/common.py `pdl`): each program reads its expert and asks L2 for its weight tile
     before it waits for GEMM1. Local output only.
+    tma: bf16 / fp8 tiles through TMA descriptors (kernels/common.py `tma`) where TMA can address them: w2's
+    always, the activation rows' unless pairs (a pair block's one row is not a run of consecutive rows).
     """
     fp8 = a_scale is not None  # e4m3 activations (fp8, a8w4)
     w4 = w2.dtype == torch.uint8  # MXFP4 weights (a16w4, a8w4): MX tiles [E, H/16, I/64, 512]
@@ -279,6 +288,9 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
     if fp8 and block_k != igroup:  # one activation scale per K step
         raise ValueError(f"{'a8w4' if w4 else 'fp8'} GEMM2 needs block_k={igroup} (its activation's quant group), "
                          f"got {block_k}")
+    if fp8 and not w4 and block_n > 2 * GROUP:  # kernel: the tile's two block scales per K group
+        raise ValueError(f"fp8 GEMM2 needs block_n <= {2 * GROUP} (a tile spans at most two {GROUP}-row blocks of "
+                         f"w2's scales), got {block_n}")
     if fp8 and a_scale.shape != (a.shape[0], triton.cdiv(inter, igroup)):
         raise ValueError(f"GEMM2: a_scale must be [{a.shape[0]}, ceil(I/{igroup})] for {'a8w4' if w4 else 'fp8'}, "
                          f"got {tuple(a_scale.shape)}")
@@ -298,15 +310,19 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
                          f"local output only")
     # BIG is each MX layout's one compile-time switch: a16w4's scales above 128, a8w4's flushed blocks
     grid = (n_blocks * triton.cdiv(hidden, block_n), split)
+    use_tma = tma and not w4
+    w_desc = tile_desc(w2, w2.shape[0] * hidden, (block_n, block_k)) if use_tma else None
+    a_desc = tile_desc(a, a.shape[0], (block_m, block_k)) if use_tma and not pairs else None
     _gemm2_kernel[grid](
         a, a_scale if fp8 else a, w2, w2_scale if w2_scale is not None else w2, rowexp if w4 else w2,
         w2_bias if w2_bias is not None else w2,
         sorted_ids, block_expert, topk_ids, expert_map, topk_weights, partial, counters, n_counters,
         out, out.stride(0), num_tokens * top_k, expert_map.shape[0], hidden, inter, n_blocks,
         *(remote.args() if remote is not None else (partial,) * 4 + (1, 0)), row_blocks, k_blocks,
-        triton.cdiv(triton.cdiv(inter, block_k), split) * block_k, SPLIT=split, FP8=fp8, W4=w4, BIG=w4 and (mx_flush if fp8 else mx_big), HAS_BIAS=w2_bias is not None, TOPK=top_k,
+        triton.cdiv(triton.cdiv(inter, block_k), split) * block_k, a if a_desc is None else a_desc,
+        w2 if w_desc is None else w_desc, SPLIT=split, FP8=fp8, W4=w4, BIG=w4 and (mx_flush if fp8 else mx_big), HAS_BIAS=w2_bias is not None, TOPK=top_k,
         KP2=triton.next_power_of_2(top_k),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, IGROUP=igroup, INTERP=interpreting(),
         REMOTE=remote is not None, SEPARATE=separate, SCALED=w4 and fp8 and scaled_dot(a.device, block_k), PAIRS=pairs,
-        PDL=pdl, num_warps=num_warps, num_stages=num_stages, **register_cap(maxnreg), **pdl_options(pdl),
+        PDL=pdl, TMA_A=a_desc is not None, TMA_W=w_desc is not None, num_warps=num_warps, num_stages=num_stages, **register_cap(maxnreg), **pdl_options(pdl),
     )

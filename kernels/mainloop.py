@@ -85,17 +85,24 @@ def tile_start(a_ptr, a_rows, stride_a, as_ptr, w_ptr, e64, pid_n, n, n_total, K
 
 
 @triton.jit
-def k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_ptrs, n_ok, w_off, s_off, nb_ok, kb, k_blocks, K,
-           k_lo, k_hi, AGROUP: tl.constexpr, FP8: tl.constexpr, W4: tl.constexpr, BIG: tl.constexpr, BLOCK_M: tl.constexpr,
-           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERP: tl.constexpr, SCALED: tl.constexpr = False):
+def k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, ws_hi, ws_sel, n_ok, w_off, s_off, nb_ok, kb, k_blocks, K,
+           k_lo, k_hi, a_desc, a_row, w_desc, w_row, AGROUP: tl.constexpr, FP8: tl.constexpr, W4: tl.constexpr,
+           BIG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERP: tl.constexpr,
+           SCALED: tl.constexpr = False, TMA_A: tl.constexpr = False, TMA_W: tl.constexpr = False):
     """The fp32 accumulator of one tile over k in [k_lo, k_hi): [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] for W4.
 
     a_ptrs: activation tile pointers ([BLOCK_M, BLOCK_K], or [BLOCK_K, BLOCK_M] for W4) at k = 0;
-    as_ptrs: each row's first activation scale (FP8), AGROUP columns per scale; w_ptrs / ws_ptrs:
-    bf16/fp8 weight tile and block-scale pointers; w_off, s_off, nb_ok, kb: the MX tile offsets
+    as_ptrs: each row's first activation scale (FP8), AGROUP columns per scale; w_ptrs: the bf16/fp8
+    weight tile; ws_lo / ws_hi: the first K group's block scales of the tile's two kinds of columns (fp8:
+    a tile spans at most two 128-blocks of weight rows), ws_sel [BLOCK_N]: the columns of the ws_hi kind,
+    a function of tl.arange alone so that the compiler sees each register's kind; w_off, s_off, nb_ok, kb: the MX tile offsets
     (W4, from mxfp4.tile_offsets). Pointers of the unused kind are never read. k_lo > 0 (split-K)
     must be a multiple of BLOCK_K; K bounds the masks. SCALED: a8w4 through tl.dot_scaled
-    (kernels/mxfp4.py).
+    (kernels/mxfp4.py). TMA_A / TMA_W (bf16, fp8): the activation tile comes from a_desc at rows
+    [a_row, a_row + BLOCK_M) (they must be consecutive; rows that hold no pair load what is there, and
+    their results are never stored), the weight tile from w_desc at rows [w_row, w_row + BLOCK_N) of
+    [E * n_total, K] (rows past the expert's last belong to the next expert or are zeros: their
+    columns are never stored), both through TMA (common.tile_desc).
     """
     kk = tl.arange(0, BLOCK_K)
     a_ptrs += k_lo
@@ -122,6 +129,8 @@ def k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_ptrs, n_ok, w_off,
         k_ok = (k0 + kk) < K
         if W4:
             a = tl.load(a_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+        elif TMA_A:
+            a = a_desc.load([a_row, k0])
         else:
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if W4:
@@ -141,12 +150,18 @@ def k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_ptrs, n_ok, w_off,
             w_off += (BLOCK_K // 64) * 128
             s_off += scale_step(BLOCK_K, FP8)
         else:
-            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if TMA_W:
+                w = tl.trans(w_desc.load([w_row, k0]))
+            else:
+                w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if FP8:
                 kb8 = k0 // QGROUP
                 a_s = tl.load(as_ptrs + kb8, mask=row_ok, other=0.0)
-                w_s = tl.load(ws_ptrs + kb8, mask=n_ok, other=0.0)
-                acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+                # two scalar loads and a select on a known column kind, not a load per column: ptxas then
+                # folds the factors into one FFMA per accumulator element (the per-column load took a
+                # shared-memory broadcast and an extra FMUL each: 25-40 % more K-loop instructions, sm_90a)
+                w_s = tl.where(ws_sel, tl.load(ws_hi + kb8), tl.load(ws_lo + kb8))
+                acc += tl.dot(a, w) * (a_s[:, None] * w_s[None, :])
             else:
                 if a_ptrs.dtype.element_ty != tl.bfloat16:  # the bf16 scheme computes in bf16
                     a = cast(a.to(tl.float32), tl.bfloat16, INTERP)

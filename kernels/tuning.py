@@ -76,6 +76,9 @@ class TileConfig:
         if scheme == "fp8" and (self.block_n1, self.block_k1, self.block_k2) != (256, 128, 128):
             raise ConfigError(f"fp8 needs block_n1=256, block_k1=128, block_k2=128 (whole 128-groups), got "
                               f"{self.block_n1}, {self.block_k1}, {self.block_k2}")
+        if scheme == "fp8" and self.block_n2 > 256:  # GEMM2 reads two 128-row w2 scale blocks per tile at most
+            raise ConfigError(f"fp8 needs block_n2 <= 256 (at most two 128-row blocks of w2's scales), got "
+                              f"{self.block_n2}")
         if scheme == "a8w4" and (self.block_n1 not in (128, 256) or self.block_k1 not in (64, 128)
                                  or self.block_k2 != 64):
             raise ConfigError(f"a8w4 needs block_n1 in (128, 256), block_k1 in (64, 128) and block_k2=64 (whole "

@@ -7,7 +7,7 @@ machine does not have (sm_90a: H100/H200; gfx942, gfx950: MI300X, MI355X). No GP
 The real launchers run on small CPU tensors with Triton's launch replaced by a recorder: the
 experts step (routing, GEMM1, GEMM2, the separate combine) for every scheme and every tile
 variant the tables or the heuristic can pick (bf16 and fp8 row-block-16 tiles also with GEMM1 split
-over K, both of its launches), and MegaMoE's
+over K, both of its launches; bf16 and fp8 also with TMA descriptors), and MegaMoE's
 symm transport (dispatch, barrier, combine) with two simulated ranks; then the same for the served
 presets' routing geometry (E 257 with a fused shared slot and top-k 9, E 384 with top-k 6) with the
 heuristic's picks for their real shapes, the two-launch routing sort included. Each distinct (kernel, argument types, compile-time values, warps, stages) is then
@@ -33,6 +33,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
@@ -56,6 +57,8 @@ launches: dict[tuple, tuple] = {}  # key -> (kernel, signature, constexprs, divi
 
 
 def _arg_type(value) -> str:
+    if isinstance(value, TensorDescriptor):  # the launcher's type for a TMA descriptor argument
+        return f"tensordesc<{_DTYPES[value.base.dtype]}{list(value.block_shape)}>"
     if isinstance(value, torch.Tensor):
         return "*" + _DTYPES[value.dtype]
     if isinstance(value, bool):
@@ -148,6 +151,20 @@ def _exercise() -> None:
             fused_experts(x, w, ids, weights, spec, config=dataclasses.replace(small, split_k1=2, split_k2=2))
         finally:
             kcommon.pdl = pdl
+        # TMA tile descriptors (ATOM_MOE_TMA=1 on sm_90+; bf16 and fp8): every table row and heuristic pick,
+        # split-K and pair blocks included
+        if scheme in ("bf16", "fp8"):
+            tma, kcommon.tma = kcommon.tma, lambda device: True
+            try:
+                for config in configs.get(scheme, ()):
+                    if config.split_k1 == config.split_k2 == 1:
+                        fused_experts(x, w, ids, weights, spec, config=config)
+                        fused_experts(x, w, ids, weights, spec, config=config, combine="separate")
+                small = tuning.heuristic(scheme, H, I, E, K, 1)
+                fused_experts(x, w, ids, weights, spec, config=dataclasses.replace(small, split_k1=2, split_k2=2))
+                fused_experts(x[:1], w[:1], ids[:1], weights, spec, config=small, pair_blocks=True)
+            finally:
+                kcommon.tma = tma
         for wire in ("bf16", "fp8") if spec.scheme.fp8_activations else ("bf16",):
             _exercise_symm(spec, raw, wire, T, g)
     _exercise_served(g)
@@ -290,8 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     for target in args.target:
         for key, (kernel, sig, ce, div, options) in sorted(launches.items(), key=lambda kv: str(kv[0])):
             if TARGETS[target].backend == "hip" and (options.get("launch_pdl") or any(
-                    ce.get(name) for name in ("PDL", "PDL_WAIT", "PDL_RELEASE"))):
-                continue  # PDL is PTX (griddepcontrol): kernels/common.py `pdl` is off on HIP
+                    ce.get(name) for name in ("PDL", "PDL_WAIT", "PDL_RELEASE", "TMA_A", "TMA_W"))):
+                continue  # PDL is PTX (griddepcontrol) and TMA NVIDIA's: kernels/common.py `pdl`, `tma` are off on HIP
             label = f"{target} {kernel.__name__} {options} " + " ".join(
                 f"{k}={v}" for k, v in ce.items() if k.isupper() and v is not None and not callable(v)) + ":"
             jobs.append((label, _builder(kernel, sig, ce, div, options, target)))

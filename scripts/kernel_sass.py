@@ -54,9 +54,13 @@ def _types(scheme: str) -> tuple[str, str, str]:
     return act, weight, scale
 
 
-def signature(kernel: str, scheme: str) -> tuple[object, dict, list[str]]:
-    """(kernel, argument types, arguments specialized as divisible by 16)."""
+def signature(kernel: str, scheme: str, tma: tuple[int, int, int, int] | None = None) -> tuple[object, dict, list[str]]:
+    """(kernel, argument types, arguments specialized as divisible by 16); tma: (BLOCK_M, BLOCK_N, BLOCK_K, H): the
+    bf16 / fp8 TMA descriptor arguments (GEMM2's activation rows too unless H > 0, a pair-block call)."""
     act, weight, scale = _types(scheme)
+    dtype = weight[1:]
+    w_desc = f"tensordesc<{dtype}[{tma[1]}, {tma[2]}]>" if tma else weight
+    a_desc = f"tensordesc<{dtype}[{tma[0]}, {tma[2]}]>" if tma and not tma[3] else act
     if kernel == "gemm1":
         sig = {"x_ptr": act, "stride_x": "i32", "xs_ptr": "*fp32", "w_ptr": weight, "ws_ptr": scale,
                "rowexp_ptr": "*u8", "bias_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32",
@@ -65,7 +69,7 @@ def signature(kernel: str, scheme: str) -> tuple[object, dict, list[str]]:
                "n_blocks": "i32", "alpha": "fp32", "limit": "fp32", "row_blocks": "i32", "k_blocks": "i32",
                "part_ptr": "*fp32", "k_span": "i32", "ids_ptr": "*i32", "emap_ptr": "*i32", "num_experts": "i32",
                "src_ptr": "*bf16", "stride_src": "i32", "counters_ptr": "*i32", "n_counters": "i32",
-               "layer_out_ptr": "*bf16", "stride_layer_out": "i32"}
+               "layer_out_ptr": "*bf16", "stride_layer_out": "i32", "w_desc": w_desc}
         div = ["x_ptr", "stride_x", "xs_ptr", "w_ptr", "ws_ptr", "bias_ptr", "sorted_ptr", "block_expert_ptr",
                "out_ptr", "outs_ptr", "hidden", "inter", "ids_ptr", "emap_ptr", "src_ptr", "stride_src",
                "counters_ptr", "layer_out_ptr", "stride_layer_out"]
@@ -76,18 +80,19 @@ def signature(kernel: str, scheme: str) -> tuple[object, dict, list[str]]:
            "n_counters": "i32", "out_ptr": "*bf16", "stride_out": "i32", "num_pairs": "i32", "num_experts": "i32",
            "hidden": "i32", "inter": "i32", "n_blocks": "i32", "delta_ptr": "*i64", "info_ptr": "*i32",
            "slots_ptr": "*bf16", "returned_ptr": "*bf16", "capacity": "i32", "rank": "i32", "row_blocks": "i32",
-           "k_blocks": "i32", "k_span": "i32"}
+           "k_blocks": "i32", "k_span": "i32", "a_desc": a_desc, "w_desc": w_desc}
     div = ["a_ptr", "as_ptr", "w_ptr", "ws_ptr", "bias_ptr", "sorted_ptr", "block_expert_ptr", "ids_ptr", "emap_ptr",
            "topk_w_ptr", "partial_ptr", "counters_ptr", "out_ptr", "stride_out", "hidden", "inter"]
     return _gemm2_kernel, sig, div
 
 
 def constexprs(kernel: str, scheme: str, block_m: int, block_n: int, block_k: int, top_k: int,
-               separate: bool = True, scaled: bool = False, pairs_hidden: int = 0, pdl: bool = False) -> dict:
+               separate: bool = True, scaled: bool = False, pairs_hidden: int = 0, pdl: bool = False,
+               tma: bool = False) -> dict:
     """The launchers' compile-time switches for a local-output call (GEMM2: the separate combine's, or with
     separate=False the counter combine's of a three-launch call); scaled: a8w4 through tl.dot_scaled;
     pairs_hidden > 0: a pair-block call (T = 1, no routing launch, kernels/routing.py) of that H; pdl:
-    with programmatic dependent launch (kernels/common.py)."""
+    with programmatic dependent launch (kernels/common.py); tma: bf16 / fp8 tiles through TMA descriptors."""
     common = dict(FP8=scheme in ("fp8", "a8w4"), W4=scheme in ("a16w4", "a8w4"), BIG=False, HAS_BIAS=True,
                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
                   IGROUP=Scheme(scheme).inter_group, INTERP=False, SCALED=scaled and scheme == "a8w4")
@@ -95,18 +100,19 @@ def constexprs(kernel: str, scheme: str, block_m: int, block_n: int, block_k: in
         pairs = dict(PAIRS=True, KP2=triton.next_power_of_2(top_k), HG=triton.next_power_of_2(-(-pairs_hidden // 128))) \
             if pairs_hidden else dict(PAIRS=False, KP2=1, HG=1)
         return {**common, "OAI": True, "CLAMP": False, "SPLIT": 1, "PHASE": 0, **pairs,
-                "PDL_WAIT": pdl and not pairs_hidden, "PDL_RELEASE": pdl}
+                "PDL_WAIT": pdl and not pairs_hidden, "PDL_RELEASE": pdl, "TMA_W": tma}
     return {**common, "TOPK": top_k, "KP2": triton.next_power_of_2(top_k), "REMOTE": False, "SEPARATE": separate,
-            "SPLIT": 1, "PAIRS": pairs_hidden > 0, "PDL": pdl}
+            "SPLIT": 1, "PAIRS": pairs_hidden > 0, "PDL": pdl, "TMA_A": tma and not pairs_hidden, "TMA_W": tma}
 
 
 def loop_body(sass: str) -> list[str]:
-    """The instructions of the longest backward-branch loop (the K loop)."""
+    """The instructions of the longest loop closed by a conditional backward branch (the K loop; an unconditional
+    one is a retry path's jump back, e.g. from an out-of-line TMA barrier wait)."""
     lines = sass.splitlines()
     labels = {line.rstrip(":"): i for i, line in enumerate(lines) if re.match(r"^\.L_x_\d+:", line)}
     best = None
     for i, line in enumerate(lines):
-        m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        m = re.search(r"@!?U?P\w+\s+BRA `\((\.L_x_\d+)\)", line)
         if m and m.group(1) in labels and labels[m.group(1)] < i:
             if best is None or i - labels[m.group(1)] > best[1] - best[0]:
                 best = (labels[m.group(1)], i)
@@ -117,11 +123,15 @@ def loop_body(sass: str) -> list[str]:
 
 def compile_sass(args: argparse.Namespace) -> tuple[dict, str]:
     """Compile for sm_90a; return (report, SASS text)."""
-    fn, sig, div = signature(args.kernel, args.scheme)
+    if args.tma and args.scheme not in ("bf16", "fp8"):
+        raise SystemExit("--tma: bf16 and fp8 only (MXFP4 tiles are decoded from per-thread loads)")
+    fn, sig, div = signature(args.kernel, args.scheme,
+                             (args.block_m, args.block_n, args.block_k, args.pairs_hidden) if args.tma else None)
     if args.kernel == "gemm2" and args.pairs_hidden:  # the counter combine's partials are the fp32 workspace
         sig = {**sig, "partial_ptr": "*fp32"}
     ce = constexprs(args.kernel, args.scheme, args.block_m, args.block_n, args.block_k, args.top_k,
-                    separate=not args.pairs_hidden, scaled=args.scaled, pairs_hidden=args.pairs_hidden, pdl=args.pdl)
+                    separate=not args.pairs_hidden, scaled=args.scaled, pairs_hidden=args.pairs_hidden, pdl=args.pdl,
+                    tma=args.tma)
     names = list(sig) + list(ce)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in div}
     src = ASTSource(fn, {**sig, **{k: "constexpr" for k in ce}}, constexprs=ce, attrs=attrs)
@@ -152,6 +162,7 @@ def compile_sass(args: argparse.Namespace) -> tuple[dict, str]:
         "loop_instructions": len(body),
         "per_weight": len(body) / weights_per_thread,
         "pipelined_loads": sum(v for k, v in mix.items() if k.startswith("LDGSTS")),
+        "tma_loads": sum(v for k, v in mix.items() if k.startswith("UTMALDG")),
         "plain_loads": sum(v for k, v in mix.items() if k.startswith("LDG.") or k == "LDG"),
         # shared stores in the loop: a decoded weight tile restaged for the mma would show here
         "shared_stores": sum(v for k, v in mix.items() if k.startswith("STS")),
@@ -182,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--maxnreg", type=int, default=0, help="register cap per thread, as a tile config's maxnreg1/2 (0: none)")
     p.add_argument("--pdl", action="store_true", help="with programmatic dependent launch (ATOM_MOE_PDL=1: GEMM2 "
                    "prefetches its weight tile into L2 and waits for GEMM1)")
+    p.add_argument("--tma", action="store_true", help="bf16 / fp8 tiles through TMA descriptors (ATOM_MOE_TMA=1)")
     p.add_argument("--scaled", action="store_true", help="a8w4 through tl.dot_scaled (gfx950's path; on sm_90a "
                    "Triton decomposes it)")
     p.add_argument("--top", type=int, default=16, help="most frequent instructions to list")
@@ -198,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
           f"s{args.stages}{f' maxnreg {args.maxnreg}' if args.maxnreg else ''}: {report['registers']} registers, "
           f"{report['stack_bytes']} B stack, {report['spill_stores']} B spilled; K loop "
           f"{report['loop_instructions']} instructions = {report['per_weight']:.2f} per weight; loads in the loop: "
-          f"{report['pipelined_loads']} cp.async, {report['plain_loads']} plain, {report['shared_stores']} shared "
+          f"{report['pipelined_loads']} cp.async, {report['tma_loads']} TMA, {report['plain_loads']} plain, {report['shared_stores']} shared "
           f"stores; wgmma: {', '.join(report['wgmma']) or 'none'}{' (serialized by ptxas)' * report['wgmma_serialized']}")
     print("  " + ", ".join(f"{name} {n}" for name, n in report["mix"]))
     return 0

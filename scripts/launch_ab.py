@@ -1,14 +1,17 @@
-"""A/B on a GPU of how the layer's launches are chained: the routing launch or pair blocks at T = 1
-(kernels/routing.py `PairBlocks`), each with and without programmatic dependent launch (ATOM_MOE_PDL,
-kernels/common.py), same process, same weights and routing.
+"""A/B on a GPU of how the layer's launches are chained and load their tiles: the routing launch or pair
+blocks at T = 1 (kernels/routing.py `PairBlocks`), with and without programmatic dependent launch
+(ATOM_MOE_PDL) and TMA tile descriptors (ATOM_MOE_TMA, both kernels/common.py), same process, same weights
+and routing.
 
-Arms: `sorted` (routing + GEMM1 + GEMM2), `pairs` (T = 1 only: GEMM1 + GEMM2), `sorted+pdl`, `pairs+pdl`.
+Arms: `sorted` (routing + GEMM1 + GEMM2), `pairs` (T = 1 only: GEMM1 + GEMM2), `sorted+pdl`, `pairs+pdl`,
+`sorted+tma` and `sorted+pdl+tma` (bf16 and fp8 only: MXFP4 tiles never use TMA).
 Per (shape, scheme, T): check that every arm gives the first arm's output bit for bit, then time the arms
 in turn `--rounds` times (CUDA-graph replays, L2 flushed, median of `--iters`) and print / write each arm's
 median over rounds, its ratio to the first arm and its fraction of the layer floor.
 
     python scripts/launch_ab.py --csv launch-ab.csv
     python scripts/launch_ab.py --shapes deepseek-v3 glm-5.2-tp8 --schemes fp8 --tokens 1 8 --rounds 3
+    python scripts/launch_ab.py --schemes bf16 fp8 --tokens 512 2048 8192 --arms sorted sorted+tma
 """
 
 from __future__ import annotations
@@ -24,30 +27,34 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from atom_moe.experts import allocate_workspace, device_name, fused_experts  # noqa: E402
-from atom_moe.kernels.common import PDL_FLAG  # noqa: E402
+from atom_moe.kernels.common import PDL_FLAG, TMA_FLAG  # noqa: E402
 from atom_moe.kernels.tuning import lookup  # noqa: E402
 from atom_moe.tools import common  # noqa: E402
 
-ARMS = ("sorted", "pairs", "sorted+pdl", "pairs+pdl")
+ARMS = ("sorted", "pairs", "sorted+pdl", "pairs+pdl", "sorted+tma", "sorted+pdl+tma")
 COLUMNS = ("shape", "scheme", "T", "routing", "config", "arm", "us", "vs_first", "floor_us", "frac", "read_tbps")
 
 
-def arms_at(arms: list[str], T: int) -> list[str]:
-    """The arms that run at T: pair blocks only for one token."""
-    return [a for a in arms if T == 1 or not a.startswith("pairs")]
+def arms_at(arms: list[str], T: int, scheme: str) -> list[str]:
+    """The arms that run at T for `scheme`: pair blocks only for one token, TMA only for bf16 and fp8."""
+    return [a for a in arms if (T == 1 or not a.startswith("pairs")) and (scheme in ("bf16", "fp8")
+                                                                         or not a.endswith("+tma"))]
 
 
 def run_arm(arm: str, fn) -> object:
-    """fn() with the arm's PDL setting in the environment (kernels/common.py reads it per call)."""
-    old = os.environ.get(PDL_FLAG)
-    os.environ[PDL_FLAG] = "1" if arm.endswith("+pdl") else "0"
+    """fn() with the arm's PDL and TMA settings in the environment (kernels/common.py reads them per call)."""
+    parts = arm.split("+")[1:]
+    old = {flag: os.environ.get(flag) for flag in (PDL_FLAG, TMA_FLAG)}
+    os.environ[PDL_FLAG] = "1" if "pdl" in parts else "0"
+    os.environ[TMA_FLAG] = "1" if "tma" in parts else "0"
     try:
         return fn()
     finally:
-        if old is None:
-            os.environ.pop(PDL_FLAG)
-        else:
-            os.environ[PDL_FLAG] = old
+        for flag, value in old.items():
+            if value is None:
+                os.environ.pop(flag)
+            else:
+                os.environ[flag] = value
 
 
 def measure(args: argparse.Namespace) -> list[dict]:
@@ -67,7 +74,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
             for T in args.tokens:
                 w, ids = common.make_routing(T, E, k, args.routing, gen, common.SHARED[name])
                 x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-                arms = arms_at(args.arms, T)
+                arms = arms_at(args.arms, T, scheme)
                 outs = {arm: torch.empty_like(x) for arm in arms}
 
                 def layer(arm: str):
@@ -104,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schemes", nargs="+", default=["bf16", "fp8", "a16w4", "a8w4"],
                    choices=["bf16", "fp8", "a16w4", "a8w4"])
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 8])
-    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    p.add_argument("--arms", nargs="+", default=list(ARMS[:4]), choices=list(ARMS))
     p.add_argument("--routing", default="uniform", choices=["uniform", "skewed"])
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rounds", type=int, default=2)

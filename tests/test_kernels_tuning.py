@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -120,6 +121,15 @@ def test_tuned_row_with_invalid_tiles_is_rejected(tmp_path, monkeypatch):
     monkeypatch.setenv("ATOM_MOE_CONFIG_DIR", str(tmp_path))
     with pytest.raises(tuning.ConfigError, match="block_n1=256"):
         tuning.lookup("x", "fp8", 256, 256, 4, 2, 8)
+
+
+def test_fp8_gemm2_tile_spans_two_scale_blocks_at_most():
+    # GEMM2 reads two w2 block scales per K step: a 512-wide fp8 tile is refused, by the config and the launcher
+    ok = tuning.TileConfig(64, 256, 128, 8, 3, 256, 128, 8, 3)
+    ok.check("fp8")
+    with pytest.raises(tuning.ConfigError, match="block_n2 <= 256"):
+        dataclasses.replace(ok, block_n2=512).check("fp8")
+    dataclasses.replace(ok, block_n2=512).check("bf16")  # one scale-free tile: any width
 
 
 def test_shipped_tables_parse_and_are_valid():

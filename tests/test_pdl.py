@@ -45,6 +45,7 @@ def test_launch_flags_are_named_for_benchmark_rows(monkeypatch):
     from atom_moe.experts import launch_flags
     monkeypatch.delenv("ATOM_MOE_PDL", raising=False)
     monkeypatch.delenv("ATOM_MOE_PAIR_BLOCKS", raising=False)
+    monkeypatch.delenv("ATOM_MOE_TMA", raising=False)
     assert launch_flags() == ""
     monkeypatch.setenv("ATOM_MOE_PDL", "1")
     assert launch_flags() == "ATOM_MOE_PDL=1"
@@ -52,6 +53,8 @@ def test_launch_flags_are_named_for_benchmark_rows(monkeypatch):
     assert launch_flags() == "ATOM_MOE_PAIR_BLOCKS=1 ATOM_MOE_PDL=1"
     monkeypatch.setenv("ATOM_MOE_PDL", "0")
     assert launch_flags() == "ATOM_MOE_PAIR_BLOCKS=1"
+    monkeypatch.setenv("ATOM_MOE_TMA", "1")
+    assert launch_flags() == "ATOM_MOE_PAIR_BLOCKS=1 ATOM_MOE_TMA=1"
 
 
 def _chain(spec, p, xs, w, ids, ws, outs, **kwargs) -> None:

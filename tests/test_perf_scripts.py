@@ -118,6 +118,33 @@ def test_kernel_sass_register_cap_reaches_ptxas():
     assert reports[0]["registers"] > 96 >= reports[96]["registers"], reports
 
 
+def test_kernel_sass_tma_and_the_fp8_scale_fold():
+    # sm_90a facts of two K-loop designs: fp8's weight block scales enter as two scalars per step, so the loop
+    # has one FFMA per accumulator element and an FMUL only per row's factor (a load per column took one per
+    # element); with --tma (ATOM_MOE_TMA=1) the weight and activation
+    # tiles are TMA loads (no cp.async left in GEMM2's loop) and fewer registers are live
+    import json
+    import triton
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this triton wheel ships no ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    tile = ["gemm2", "--scheme", "fp8", "--block-m", "64", "--block-n", "128", "--block-k", "128", "--warps", "4",
+            "--json", "--top", "64"]
+    reports = {}
+    for extra in ([], ["--tma"]):
+        run = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel_sass.py"), *tile, *extra],
+                             capture_output=True, text=True, env=env, timeout=600)
+        assert run.returncode == 0, run.stderr
+        reports[bool(extra)] = json.loads(run.stdout)
+    for report in reports.values():
+        mix = dict(report["mix"])
+        # 64 x 128 fp32 accumulator over 128 threads: 64 elements each, one FFMA apiece
+        assert report["wgmma"] == ["QGMMA"] and mix.get("FFMA") == 64 and mix.get("FMUL", 0) <= 4, report
+    assert reports[False]["tma_loads"] == 0 < reports[False]["pipelined_loads"]
+    assert reports[True]["tma_loads"] == 2 and reports[True]["pipelined_loads"] == 0, reports[True]
+    assert reports[True]["registers"] < reports[False]["registers"], reports
+
+
 def test_kernel_sass_refuses_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel_sass.py"), "gemm1"], capture_output=True,
@@ -204,6 +231,15 @@ def test_every_launch_of_the_ops_builds_for_sm_90a():
     for flag in ("FP8=True W4=True", "FP8=True W4=False", "FP8=False W4=True", "FP8=False W4=False"):
         for phase in ("PHASE=0", "PHASE=1", "PHASE=2"):
             assert has("_gemm1_kernel", "PAIRS=True", phase, *flag.split()), (flag, phase)
+    # TMA tile descriptors (ATOM_MOE_TMA) for bf16 and fp8: GEMM1's weights (split-K's first launch too), GEMM2's
+    # weights and rows in both combines, weights only with pair blocks; never for MXFP4
+    for flag in ("FP8=True W4=False", "FP8=False W4=False"):
+        assert has("_gemm1_kernel", "TMA_W=True", "PHASE=0", *flag.split()), flag
+        assert has("_gemm1_kernel", "TMA_W=True", "PHASE=1", *flag.split()), flag
+        for sep in ("True", "False"):
+            assert has("_gemm2_kernel", "TMA_A=True", "TMA_W=True", f"SEPARATE={sep}", *flag.split()), (flag, sep)
+        assert has("_gemm2_kernel", "TMA_A=False", "TMA_W=True", "PAIRS=True", *flag.split()), flag
+    assert not any("TMA_W=True" in line and "W4=True" in line for line in built)
 
 
 def test_compile_all_reports_a_failing_build():
@@ -359,7 +395,8 @@ def test_tk_routing_any_topk_matches_the_ids(vllm_src, monkeypatch, T, E, k):
 
 def test_launch_ab_needs_a_gpu():
     # the launch-chaining A/B (routing launch or pair blocks, with or without PDL) is a GPU timing script:
-    # without one it says so; pair-block arms run at T = 1 only
+    # without one it says so; pair-block arms run at T = 1 only, TMA arms for bf16 and fp8 only; each arm sets both
+    # flags for its call and restores them
     script = str(ROOT / "scripts" / "launch_ab.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, env=env, cwd=ROOT)
@@ -369,5 +406,10 @@ def test_launch_ab_needs_a_gpu():
         assert proc.returncode == 1 and "needs a CUDA GPU" in proc.stderr
     sys.path.insert(0, str(ROOT / "scripts"))
     import launch_ab
-    assert launch_ab.arms_at(list(launch_ab.ARMS), 1) == list(launch_ab.ARMS)
-    assert launch_ab.arms_at(list(launch_ab.ARMS), 8) == ["sorted", "sorted+pdl"]
+    assert launch_ab.arms_at(list(launch_ab.ARMS), 1, "fp8") == list(launch_ab.ARMS)
+    assert launch_ab.arms_at(list(launch_ab.ARMS), 8, "bf16") == ["sorted", "sorted+pdl", "sorted+tma", "sorted+pdl+tma"]
+    assert launch_ab.arms_at(list(launch_ab.ARMS), 8, "a8w4") == ["sorted", "sorted+pdl"]
+    before = {f: os.environ.get(f) for f in ("ATOM_MOE_PDL", "ATOM_MOE_TMA")}
+    seen = launch_ab.run_arm("sorted+pdl+tma", lambda: (os.environ["ATOM_MOE_PDL"], os.environ["ATOM_MOE_TMA"]))
+    assert seen == ("1", "1") and launch_ab.run_arm("sorted", lambda: os.environ["ATOM_MOE_TMA"]) == "0"
+    assert {f: os.environ.get(f) for f in before} == before
