@@ -163,6 +163,7 @@ def _exercise() -> None:
                 small = tuning.heuristic(scheme, H, I, E, K, 1)
                 fused_experts(x, w, ids, weights, spec, config=dataclasses.replace(small, split_k1=2, split_k2=2))
                 fused_experts(x[:1], w[:1], ids[:1], weights, spec, config=small, pair_blocks=True)
+                _exercise_symm(spec, raw, scheme, T, g)  # GEMM2 pushing rows to their source ranks
             finally:
                 kcommon.tma = tma
         for wire in ("bf16", "fp8") if spec.scheme.fp8_activations else ("bf16",):

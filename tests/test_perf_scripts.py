@@ -239,6 +239,7 @@ def test_every_launch_of_the_ops_builds_for_sm_90a():
         for sep in ("True", "False"):
             assert has("_gemm2_kernel", "TMA_A=True", "TMA_W=True", f"SEPARATE={sep}", *flag.split()), (flag, sep)
         assert has("_gemm2_kernel", "TMA_A=False", "TMA_W=True", "PAIRS=True", *flag.split()), flag
+        assert has("_gemm2_kernel", "TMA_A=True", "TMA_W=True", "REMOTE=True", *flag.split()), flag  # symm transport
     assert not any("TMA_W=True" in line and "W4=True" in line for line in built)
 
 

@@ -10,6 +10,8 @@ interpreter runs descriptor loads, so the CPU tests run the real kernel code; th
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -127,6 +129,37 @@ def test_where_tma_is_not_used_nothing_changes(seed, monkeypatch, scheme, H, wan
     plain, tma = _both(monkeypatch, spec, p, x, w, ids)
     assert torch.equal(tma, plain) and torch.isfinite(tma).all()
     assert sorted(seen) == want, seen
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU ranks: needs TRITON_INTERPRET=1 "
+                    "(scripts/test.sh sets it); the GPU runs the symm transport in tests/test_ep_symm.py")
+@pytest.mark.parametrize("scheme,wire", [("bf16", "bf16"), ("fp8", "fp8")])
+def test_tma_in_the_symm_transport(seed, monkeypatch, scheme, wire):
+    # MegaMoE's symm transport (GEMM2 pushes each row to its source rank): the flag gives the same bits there too
+    from ep_worker import C, E, H, I, K, make_case, placement
+    from ep_worker import make_layer as rank_layer
+
+    from atom_moe.ep.simulate import SimulatedSymmGroup
+    from atom_moe.spec import MoESpec
+    world = 2
+    full = MoESpec.create(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, scheme=scheme,
+                          max_tokens_per_rank=C)
+    owners = placement("uneven", world)
+    specs = [full.for_rank(r, world, tuple(owners[r])) for r in range(world)]
+    layers = [rank_layer(full, specs[r], seed)[0] for r in range(world)]
+    ins = [make_case("random", full, r, world, owners, seed) for r in range(world)]
+    seen = _spy(monkeypatch)
+    results = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv("ATOM_MOE_TMA", flag)
+        group = SimulatedSymmGroup(specs, C, wire)
+        outs = [torch.full_like(x, float("nan")) for x, _, _ in ins]
+        group.forward(layers, *[[i[n] for i in ins] for n in range(3)], outs, [0, 1])  # SPLIT and FUSED modes
+        assert group.errors() == [0] * world
+        results.append(outs)
+    for plain, tma in zip(*results):
+        assert torch.equal(tma, plain) and torch.isfinite(tma).all()
+    assert ("gemm2", True) in seen and ("gemm1", True) in seen, seen
 
 
 @pytest.mark.gpu
