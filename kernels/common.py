@@ -89,9 +89,11 @@ def tma(device: torch.device) -> bool:
 
 def tile_desc(t: torch.Tensor, rows: int, block: tuple[int, int]) -> TensorDescriptor | None:
     """A TMA descriptor over contiguous `t` seen as [rows, t.shape[-1]] that loads `block` tiles (zeros past its
-    edges), or None where TMA cannot address it: base or row not a multiple of 16 bytes."""
+    edges), or None where TMA cannot address it: base or row not a multiple of 16 bytes, or a tile edge above
+    256 elements (TMA's largest box)."""
     cols = t.shape[-1]
-    if not t.is_contiguous() or t.data_ptr() % 16 or cols * t.element_size() % 16 or t.numel() != rows * cols:
+    if not t.is_contiguous() or t.data_ptr() % 16 or cols * t.element_size() % 16 or t.numel() != rows * cols \
+            or max(block) > 256:
         return None
     return TensorDescriptor(t, [rows, cols], [cols, 1], list(block))
 

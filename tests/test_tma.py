@@ -55,6 +55,7 @@ def test_what_tma_can_address():
     assert common.tile_desc(torch.zeros(3, 64, 200, dtype=torch.bfloat16), 192, (32, 64)) is not None  # 400 B rows
     assert common.tile_desc(w.transpose(1, 2), 3 * 256, (32, 64)) is None  # not contiguous
     assert common.tile_desc(torch.zeros(4097, dtype=torch.bfloat16)[1:].view(64, 64), 64, (16, 64)) is None  # base
+    assert common.tile_desc(w, 3 * 64, (512, 64)) is None  # TMA boxes are at most 256 elements a side
 
 
 def _spy(monkeypatch) -> list[tuple[str, bool]]:
