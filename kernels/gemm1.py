@@ -106,8 +106,9 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, 
         if PHASE == 1:
             k_lo = tl.program_id(1) * k_span
             k_hi = tl.minimum(k_lo + k_span, hidden)
-        acc = k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, ws_hi, ws_sel, n_ok, w_off, s_off, nb_ok, kb,
-                     k_blocks, hidden, k_lo, k_hi, x_ptr, 0, w_desc, (expert * n_out + pid_n * BLOCK_N).to(tl.int32),
+        acc = k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, ws_hi, ws_sel, n_ok, w_off, s_off, nb_ok,
+                     kb, k_blocks, hidden, k_lo, k_hi, x_ptr, 0, w_desc,
+                     (expert * n_out + pid_n * BLOCK_N).to(tl.int32),
                      QGROUP, FP8, W4, BIG, BLOCK_M, BLOCK_N, BLOCK_K, INTERP, SCALED, TMA_W=TMA_W)
         if PHASE == 1:
             tl.store(p_ptrs + tl.program_id(1) * slab, acc, mask=p_mask)

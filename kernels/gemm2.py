@@ -79,8 +79,8 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr
                   ids_ptr, emap_ptr, topk_w_ptr, partial_ptr, counters_ptr, n_counters, out_ptr, stride_out,
                   num_pairs, num_experts, hidden, inter, n_blocks,
                   delta_ptr, info_ptr, slots_ptr, returned_ptr, capacity, rank, row_blocks, k_blocks, k_span,
-                  a_desc, w_desc, SPLIT: tl.constexpr, FP8: tl.constexpr, W4: tl.constexpr, BIG: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  TOPK: tl.constexpr, KP2: tl.constexpr,
+                  a_desc, w_desc, SPLIT: tl.constexpr, FP8: tl.constexpr, W4: tl.constexpr, BIG: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, TOPK: tl.constexpr, KP2: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, IGROUP: tl.constexpr, INTERP: tl.constexpr, REMOTE: tl.constexpr,
                   SEPARATE: tl.constexpr, SCALED: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr,
@@ -127,8 +127,9 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr
     if SPLIT > 1:
         k_lo = tl.program_id(1) * k_span
         k_hi = tl.minimum(k_lo + k_span, inter)
-    acc = k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, ws_hi, ws_sel, n_ok, w_off, s_off, nb_ok, kb, k_blocks,
-                 inter, k_lo, k_hi, a_desc, pid_m * BLOCK_M, w_desc, (expert * hidden + pid_n * BLOCK_N).to(tl.int32),
+    acc = k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, ws_hi, ws_sel, n_ok, w_off, s_off, nb_ok, kb,
+                 k_blocks, inter, k_lo, k_hi, a_desc, pid_m * BLOCK_M, w_desc,
+                 (expert * hidden + pid_n * BLOCK_N).to(tl.int32),
                  IGROUP, FP8, W4, BIG, BLOCK_M, BLOCK_N, BLOCK_K, INTERP, SCALED, TMA_A, TMA_W)
     acc = tile_finish(acc, rowexp_ptr, bias_ptr, e64, n, n_ok, hidden, FP8, W4, HAS_BIAS and SPLIT == 1)
     if HAS_BIAS and SPLIT > 1:  # once per row: by slice 0 (the flag as a vector: triton 3.9's interpreter)
@@ -320,9 +321,11 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
         out, out.stride(0), num_tokens * top_k, expert_map.shape[0], hidden, inter, n_blocks,
         *(remote.args() if remote is not None else (partial,) * 4 + (1, 0)), row_blocks, k_blocks,
         triton.cdiv(triton.cdiv(inter, block_k), split) * block_k, a if a_desc is None else a_desc,
-        w2 if w_desc is None else w_desc, SPLIT=split, FP8=fp8, W4=w4, BIG=w4 and (mx_flush if fp8 else mx_big), HAS_BIAS=w2_bias is not None, TOPK=top_k,
+        w2 if w_desc is None else w_desc, SPLIT=split, FP8=fp8, W4=w4, BIG=w4 and (mx_flush if fp8 else mx_big),
+        HAS_BIAS=w2_bias is not None, TOPK=top_k,
         KP2=triton.next_power_of_2(top_k),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, IGROUP=igroup, INTERP=interpreting(),
         REMOTE=remote is not None, SEPARATE=separate, SCALED=w4 and fp8 and scaled_dot(a.device, block_k), PAIRS=pairs,
-        PDL=pdl, TMA_A=a_desc is not None, TMA_W=w_desc is not None, num_warps=num_warps, num_stages=num_stages, **register_cap(maxnreg), **pdl_options(pdl),
+        PDL=pdl, TMA_A=a_desc is not None, TMA_W=w_desc is not None, num_warps=num_warps, num_stages=num_stages,
+        **register_cap(maxnreg), **pdl_options(pdl),
     )

@@ -85,18 +85,19 @@ def tile_start(a_ptr, a_rows, stride_a, as_ptr, w_ptr, e64, pid_n, n, n_total, K
 
 
 @triton.jit
-def k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, ws_hi, ws_sel, n_ok, w_off, s_off, nb_ok, kb, k_blocks, K,
-           k_lo, k_hi, a_desc, a_row, w_desc, w_row, AGROUP: tl.constexpr, FP8: tl.constexpr, W4: tl.constexpr,
-           BIG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERP: tl.constexpr,
-           SCALED: tl.constexpr = False, TMA_A: tl.constexpr = False, TMA_W: tl.constexpr = False):
+def k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, ws_hi, ws_sel, n_ok, w_off, s_off, nb_ok, kb,
+           k_blocks, K, k_lo, k_hi, a_desc, a_row, w_desc, w_row, AGROUP: tl.constexpr, FP8: tl.constexpr,
+           W4: tl.constexpr, BIG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+           INTERP: tl.constexpr, SCALED: tl.constexpr = False, TMA_A: tl.constexpr = False,
+           TMA_W: tl.constexpr = False):
     """The fp32 accumulator of one tile over k in [k_lo, k_hi): [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] for W4.
 
     a_ptrs: activation tile pointers ([BLOCK_M, BLOCK_K], or [BLOCK_K, BLOCK_M] for W4) at k = 0;
     as_ptrs: each row's first activation scale (FP8), AGROUP columns per scale; w_ptrs: the bf16/fp8
     weight tile; ws_lo / ws_hi: the first K group's block scales of the tile's two kinds of columns (fp8:
     a tile spans at most two 128-blocks of weight rows), ws_sel [BLOCK_N]: the columns of the ws_hi kind,
-    a function of tl.arange alone so that the compiler sees each register's kind; w_off, s_off, nb_ok, kb: the MX tile offsets
-    (W4, from mxfp4.tile_offsets). Pointers of the unused kind are never read. k_lo > 0 (split-K)
+    a function of tl.arange alone so that the compiler sees each register's kind; w_off, s_off, nb_ok, kb:
+    the MX tile offsets (W4, from mxfp4.tile_offsets). Pointers of the unused kind are never read. k_lo > 0 (split-K)
     must be a multiple of BLOCK_K; K bounds the masks. SCALED: a8w4 through tl.dot_scaled
     (kernels/mxfp4.py). TMA_A / TMA_W (bf16, fp8): the activation tile comes from a_desc at rows
     [a_row, a_row + BLOCK_M) (they must be consecutive; rows that hold no pair load what is there, and
@@ -159,7 +160,8 @@ def k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, ws_hi, ws_sel,
                 a_s = tl.load(as_ptrs + kb8, mask=row_ok, other=0.0)
                 # two scalar loads and a select on a known column kind, not a load per column: ptxas then
                 # folds the factors into one FFMA per accumulator element (the per-column load took a
-                # shared-memory broadcast and an extra FMUL each: 25-40 % more K-loop instructions, sm_90a)
+                # shared-memory broadcast and an extra FMUL each: 35-70 % more K-loop instructions at 64- and
+                # 128-row tiles on sm_90a, docs/perf/prefill-kloop-sass.md)
                 w_s = tl.where(ws_sel, tl.load(ws_hi + kb8), tl.load(ws_lo + kb8))
                 acc += tl.dot(a, w) * (a_s[:, None] * w_s[None, :])
             else:
