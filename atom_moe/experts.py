@@ -81,7 +81,9 @@ class Workspace:
     n_counters: int
     partial: torch.Tensor  # fp32 [max_tokens * top_k, H]: weighted GEMM2 rows, combined in slot order
     inter: torch.Tensor  # bf16 or e4m3 [rows, I]: GEMM2's input
-    inter_scale: torch.Tensor | None  # fp32 [rows, ceil(I/group)] (fp8: 128, a8w4: 64; Scheme.inter_group)
+    # fp32 [rows, ceil(I/group)] (fp8: 128, a8w4: 64; Scheme.inter_group), stored group-major (stride (1, rows)):
+    # a GEMM2 tile then reads each K step's scales of its consecutive rows as one run, not one load per row
+    inter_scale: torch.Tensor | None
     x_q: torch.Tensor | None  # e4m3 [max_tokens, H] (fp8, a8w4)
     x_scale: torch.Tensor | None  # fp32 [max_tokens, ceil(H/128)] (fp8, a8w4)
 
@@ -121,7 +123,7 @@ def allocate_workspace(spec: MoESpec, max_tokens: int, device: torch.device | st
         partial=torch.empty(max(pairs, -(-tuning.MAX_SPLIT_K * min(pairs, tuning.SPLIT_MAX_PAIRS) * max(2 * I, H)
                                          // H)), H, dtype=torch.float32, device=device),
         inter=torch.empty(rows, I, dtype=FP8_DTYPE if fp8 else torch.bfloat16, device=device),
-        inter_scale=torch.empty(rows, -(-I // spec.scheme.inter_group), dtype=torch.float32, device=device)
+        inter_scale=torch.empty(-(-I // spec.scheme.inter_group), rows, dtype=torch.float32, device=device).t()
         if fp8 else None,
         x_q=torch.empty(max_tokens, H, dtype=FP8_DTYPE, device=device) if fp8 else None,
         x_scale=torch.empty(max_tokens, -(-H // FP8_BLOCK), dtype=torch.float32, device=device) if fp8 else None,

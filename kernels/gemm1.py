@@ -41,8 +41,9 @@ GROUP = 128  # host-side twin of common.QGROUP
 
 
 @triton.jit
-def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr, block_expert_ptr,
-                  out_ptr, outs_ptr, num_pairs, top_k, hidden, inter, n_blocks, alpha, limit, row_blocks, k_blocks,
+def _gemm1_kernel(x_ptr, stride_x, xs_ptr, stride_xs, stride_xs_k, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr,
+                  block_expert_ptr, out_ptr, outs_ptr, stride_os, stride_os_k, num_pairs, top_k, hidden, inter,
+                  n_blocks, alpha, limit, row_blocks, k_blocks,
                   part_ptr, k_span, ids_ptr, emap_ptr, num_experts, src_ptr, stride_src, counters_ptr, n_counters,
                   layer_out_ptr, stride_layer_out, w_desc,
                   SPLIT: tl.constexpr, PHASE: tl.constexpr, FP8: tl.constexpr, W4: tl.constexpr,
@@ -69,7 +70,7 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, 
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < n_out
     a_ptrs, as_ptrs, w_ptrs, w_off, s_off, nb_ok, kb = tile_start(
-        x_ptr, tok, stride_x, xs_ptr, w_ptr, e64, pid_n, n, n_out, hidden, row_blocks, k_blocks,
+        x_ptr, tok, stride_x, xs_ptr, stride_xs, w_ptr, e64, pid_n, n, n_out, hidden, row_blocks, k_blocks,
         QGROUP, FP8, W4, BLOCK_N, BLOCK_K, SCALED)
     ws_lo = ws_ptr  # read only by the fp8 scheme
     ws_hi = ws_ptr
@@ -106,8 +107,8 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, 
         if PHASE == 1:
             k_lo = tl.program_id(1) * k_span
             k_hi = tl.minimum(k_lo + k_span, hidden)
-        acc = k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, ws_hi, ws_sel, n_ok, w_off, s_off, nb_ok,
-                     kb, k_blocks, hidden, k_lo, k_hi, x_ptr, 0, w_desc,
+        acc = k_loop(a_ptrs, as_ptrs, stride_xs_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, ws_hi, ws_sel, n_ok, w_off,
+                     s_off, nb_ok, kb, k_blocks, hidden, k_lo, k_hi, x_ptr, 0, w_desc,
                      (expert * n_out + pid_n * BLOCK_N).to(tl.int32),
                      QGROUP, FP8, W4, BIG, BLOCK_M, BLOCK_N, BLOCK_K, INTERP, SCALED, TMA_W=TMA_W)
         if PHASE == 1:
@@ -138,9 +139,9 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, 
         scale = tl.where(amax > 0, amax / FP8_MAX, 1.0) + tl.sum(tl.abs(grouped) * 0.0, 2)
         q = tl.reshape(tl.clamp(grouped / scale[:, :, None], -FP8_MAX, FP8_MAX), [BLOCK_M, BLOCK_N // 2])
         tl.store(o_ptrs, cast(q, out_ptr.dtype.element_ty, INTERP), mask=o_mask)
-        n_groups = tl.cdiv(inter, IGROUP)
         g = pid_n * NG + tl.arange(0, NG)
-        tl.store(outs_ptr + rows64[:, None] * n_groups + g[None, :], scale, mask=row_ok[:, None] & (g < n_groups)[None, :])
+        tl.store(outs_ptr + rows64[:, None] * stride_os + g[None, :] * stride_os_k, scale,
+                 mask=row_ok[:, None] & (g < tl.cdiv(inter, IGROUP))[None, :])
     else:
         tl.store(o_ptrs, cast(act, out_ptr.dtype.element_ty, INTERP), mask=o_mask)
 
@@ -242,9 +243,11 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
     # BIG is each MX layout's one compile-time switch: a16w4's scales above 128, a8w4's flushed blocks
     tiles = n_blocks * triton.cdiv(2 * inter, block_n)
     w_desc = tile_desc(w13, w13.shape[0] * w13.shape[1], (block_n, block_k)) if tma and not w4 else None
-    args = (x, x.stride(0), x_scale if fp8 else x, w13, w13_scale if w13_scale is not None else w13, rowexp,
-            w13_bias if w13_bias is not None else w13, sorted_ids, block_expert,
-            out, out_scale if fp8 else out, num_tokens * top_k, top_k, hidden, inter, n_blocks,
+    xs_strides = x_scale.stride() if fp8 else (0, 0)
+    os_strides = out_scale.stride() if fp8 else (0, 0)
+    args = (x, x.stride(0), x_scale if fp8 else x, *xs_strides, w13, w13_scale if w13_scale is not None else w13,
+            rowexp, w13_bias if w13_bias is not None else w13, sorted_ids, block_expert,
+            out, out_scale if fp8 else out, *os_strides, num_tokens * top_k, top_k, hidden, inter, n_blocks,
             float(alpha), float(limit), row_blocks, k_blocks,
             partial if split > 1 else out, triton.cdiv(triton.cdiv(hidden, block_k), split) * block_k,
             *_pair_args(pairs, out), w_desc if w_desc is not None else w13)

@@ -75,9 +75,9 @@ class RemoteOutput:
 
 
 @triton.jit
-def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr, block_expert_ptr,
-                  ids_ptr, emap_ptr, topk_w_ptr, partial_ptr, counters_ptr, n_counters, out_ptr, stride_out,
-                  num_pairs, num_experts, hidden, inter, n_blocks,
+def _gemm2_kernel(a_ptr, as_ptr, stride_as, stride_as_k, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr,
+                  block_expert_ptr, ids_ptr, emap_ptr, topk_w_ptr, partial_ptr, counters_ptr, n_counters, out_ptr,
+                  stride_out,                  num_pairs, num_experts, hidden, inter, n_blocks,
                   delta_ptr, info_ptr, slots_ptr, returned_ptr, capacity, rank, row_blocks, k_blocks, k_span,
                   a_desc, w_desc, SPLIT: tl.constexpr, FP8: tl.constexpr, W4: tl.constexpr, BIG: tl.constexpr,
                   HAS_BIAS: tl.constexpr, TOPK: tl.constexpr, KP2: tl.constexpr,
@@ -100,7 +100,7 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr
     n_ok = n < hidden
     # a8w4's activation groups are 64 columns, a K step each (IGROUP)
     a_ptrs, as_ptrs, w_ptrs, w_off, s_off, nb_ok, kb = tile_start(
-        a_ptr, rows.to(tl.int64), inter, as_ptr, w_ptr, e64, pid_n, n, hidden, inter, row_blocks, k_blocks,
+        a_ptr, rows.to(tl.int64), inter, as_ptr, stride_as, w_ptr, e64, pid_n, n, hidden, inter, row_blocks, k_blocks,
         IGROUP, FP8, W4, BLOCK_N, BLOCK_K, SCALED)
     ws_lo = ws_ptr  # read only by the fp8 scheme
     ws_hi = ws_ptr
@@ -127,8 +127,8 @@ def _gemm2_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr
     if SPLIT > 1:
         k_lo = tl.program_id(1) * k_span
         k_hi = tl.minimum(k_lo + k_span, inter)
-    acc = k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, ws_hi, ws_sel, n_ok, w_off, s_off, nb_ok, kb,
-                 k_blocks, inter, k_lo, k_hi, a_desc, pid_m * BLOCK_M, w_desc,
+    acc = k_loop(a_ptrs, as_ptrs, stride_as_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, ws_hi, ws_sel, n_ok, w_off, s_off,
+                 nb_ok, kb, k_blocks, inter, k_lo, k_hi, a_desc, pid_m * BLOCK_M, w_desc,
                  (expert * hidden + pid_n * BLOCK_N).to(tl.int32),
                  IGROUP, FP8, W4, BIG, BLOCK_M, BLOCK_N, BLOCK_K, INTERP, SCALED, TMA_A, TMA_W)
     acc = tile_finish(acc, rowexp_ptr, bias_ptr, e64, n, n_ok, hidden, FP8, W4, HAS_BIAS and SPLIT == 1)
@@ -315,7 +315,8 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
     w_desc = tile_desc(w2, w2.shape[0] * hidden, (block_n, block_k)) if use_tma else None
     a_desc = tile_desc(a, a.shape[0], (block_m, block_k)) if use_tma and not pairs else None
     _gemm2_kernel[grid](
-        a, a_scale if fp8 else a, w2, w2_scale if w2_scale is not None else w2, rowexp if w4 else w2,
+        a, a_scale if fp8 else a, *(a_scale.stride() if fp8 else (0, 0)), w2,
+        w2_scale if w2_scale is not None else w2, rowexp if w4 else w2,
         w2_bias if w2_bias is not None else w2,
         sorted_ids, block_expert, topk_ids, expert_map, topk_weights, partial, counters, n_counters,
         out, out.stride(0), num_tokens * top_k, expert_map.shape[0], hidden, inter, n_blocks,

@@ -59,13 +59,13 @@ def tile_rows(sorted_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr, PAIRS: tl.con
 
 
 @triton.jit
-def tile_start(a_ptr, a_rows, stride_a, as_ptr, w_ptr, e64, pid_n, n, n_total, K, row_blocks, k_blocks,
+def tile_start(a_ptr, a_rows, stride_a, as_ptr, stride_as, w_ptr, e64, pid_n, n, n_total, K, row_blocks, k_blocks,
                AGROUP: tl.constexpr, FP8: tl.constexpr, W4: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, SCALED: tl.constexpr = False):
     """(a_ptrs, as_ptrs, w_ptrs, w_off, s_off, nb_ok, kb): where `k_loop` starts for this tile.
 
     a_rows: each tile row's activation row (int64), stride_a apart; as_ptrs: each row's first
-    activation scale (FP8, AGROUP columns per scale). bf16/fp8 weights: w_ptrs at rows n of
+    activation scale (FP8, AGROUP columns per scale), stride_as apart. bf16/fp8 weights: w_ptrs at rows n of
     expert e64's [n_total, K] matrix. MXFP4: the MX tile offsets (mxfp4.tile_offsets). What a
     scheme does not use is returned unread (the bare pointers, zeros).
     """
@@ -80,20 +80,21 @@ def tile_start(a_ptr, a_rows, stride_a, as_ptr, w_ptr, e64, pid_n, n, n_total, K
     else:
         w_ptrs = w_ptr + e64 * n_total * K + n.to(tl.int64)[None, :] * K + kk[:, None]
     if FP8:
-        as_ptrs = as_ptr + a_rows * tl.cdiv(K, AGROUP)
+        as_ptrs = as_ptr + a_rows * stride_as
     return a_ptrs, as_ptrs, w_ptrs, w_off, s_off, nb_ok, kb
 
 
 @triton.jit
-def k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, ws_hi, ws_sel, n_ok, w_off, s_off, nb_ok, kb,
-           k_blocks, K, k_lo, k_hi, a_desc, a_row, w_desc, w_row, AGROUP: tl.constexpr, FP8: tl.constexpr,
+def k_loop(a_ptrs, as_ptrs, stride_as_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, ws_hi, ws_sel, n_ok, w_off, s_off, nb_ok,
+           kb, k_blocks, K, k_lo, k_hi, a_desc, a_row, w_desc, w_row, AGROUP: tl.constexpr, FP8: tl.constexpr,
            W4: tl.constexpr, BIG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
            INTERP: tl.constexpr, SCALED: tl.constexpr = False, TMA_A: tl.constexpr = False,
            TMA_W: tl.constexpr = False):
     """The fp32 accumulator of one tile over k in [k_lo, k_hi): [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] for W4.
 
     a_ptrs: activation tile pointers ([BLOCK_M, BLOCK_K], or [BLOCK_K, BLOCK_M] for W4) at k = 0;
-    as_ptrs: each row's first activation scale (FP8), AGROUP columns per scale; w_ptrs: the bf16/fp8
+    as_ptrs: each row's first activation scale (FP8), AGROUP columns per scale, the next K group's stride_as_k
+    further (1 for row-major scales; GEMM2's are group-major, atom_moe/experts.py `Workspace`); w_ptrs: the bf16/fp8
     weight tile; ws_lo / ws_hi: the first K group's block scales of the tile's two kinds of columns (fp8:
     a tile spans at most two 128-blocks of weight rows), ws_sel [BLOCK_N]: the columns of the ws_hi kind,
     a function of tl.arange alone so that the compiler sees each register's kind; w_off, s_off, nb_ok, kb:
@@ -119,7 +120,7 @@ def k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, ws_hi, ws_sel,
     if W4 and FP8:  # activation scales one K step ahead: a plain load would stall every step
         # an empty last split-K slice starts past K: its first scale is not read
         first = (tl.zeros([BLOCK_M], tl.int32) + k_lo) < K
-        a_s_next = tl.load(as_ptrs + k_lo // AGROUP, mask=row_ok & first, other=0.0)
+        a_s_next = tl.load(as_ptrs + (k_lo // AGROUP) * stride_as_k, mask=row_ok & first, other=0.0)
     k_end = k_hi
     if W4:  # at least one step (an empty split-K slice loads only masked zeros): with a path that skips the
         # loop, its zeroed accumulator sat inside the wgmma pipeline and ptxas serialized every wgmma at the
@@ -140,7 +141,7 @@ def k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, ws_hi, ws_sel,
                 # the scalar bound broadcast to [BLOCK_M] first: triton 3.9's interpreter rejects a mask
                 # that mixes a vector with a 0-d comparison ('mask has unsupported dtype')
                 more = (tl.zeros([BLOCK_M], tl.int32) + (k0 + BLOCK_K)) < K
-                a_s_next = tl.load(as_ptrs + (k0 + BLOCK_K) // AGROUP, mask=row_ok & more, other=0.0)
+                a_s_next = tl.load(as_ptrs + ((k0 + BLOCK_K) // AGROUP) * stride_as_k, mask=row_ok & more, other=0.0)
                 acc = swap_step(acc, a, a_s, w_ptr, ws_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks,
                                 BLOCK_N, BLOCK_M, BLOCK_K, FP8, BIG, INTERP, SCALED)
             else:
@@ -157,7 +158,7 @@ def k_loop(a_ptrs, as_ptrs, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, ws_hi, ws_sel,
                 w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if FP8:
                 kb8 = k0 // QGROUP
-                a_s = tl.load(as_ptrs + kb8, mask=row_ok, other=0.0)
+                a_s = tl.load(as_ptrs + kb8 * stride_as_k, mask=row_ok, other=0.0)
                 # two scalar loads and a select on a known column kind, not a load per column: ptxas then
                 # folds the factors into one FFMA per accumulator element (the per-column load took a
                 # shared-memory broadcast and an extra FMUL each: 35-70 % more K-loop instructions at 64- and

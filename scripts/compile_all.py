@@ -90,6 +90,9 @@ def _record(self: JITFunction, *args, grid, warmup, **kwargs):
         if p.is_constexpr or value is None:
             ce[p.name] = False if p.name in INTERPRETER_SWITCHES else value
             continue
+        if type(value) is int and value == 1 and not p.do_not_specialize:  # as Triton's launcher: 1 is a constant
+            ce[p.name] = 1
+            continue
         sig[p.name] = _arg_type(value)
         if _divisible(value):
             div.append(p.name)

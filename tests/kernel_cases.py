@@ -86,4 +86,4 @@ def poison(ws) -> None:
     for name in ("partial", "inter", "inter_scale", "x_q", "x_scale"):
         t = getattr(ws, name)
         if t is not None:
-            t.view(torch.uint8).fill_(0xFF)  # NaN in fp32, bf16 and e4m3
+            t.untyped_storage().fill_(0xFF)  # NaN in fp32, bf16 and e4m3 (inter_scale is a transposed view)
