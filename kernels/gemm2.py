@@ -77,7 +77,7 @@ class RemoteOutput:
 @triton.jit
 def _gemm2_kernel(a_ptr, as_ptr, stride_as, stride_as_k, w_ptr, ws_ptr, rowexp_ptr, bias_ptr, sorted_ptr,
                   block_expert_ptr, ids_ptr, emap_ptr, topk_w_ptr, partial_ptr, counters_ptr, n_counters, out_ptr,
-                  stride_out,                  num_pairs, num_experts, hidden, inter, n_blocks,
+                  stride_out, num_pairs, num_experts, hidden, inter, n_blocks,
                   delta_ptr, info_ptr, slots_ptr, returned_ptr, capacity, rank, row_blocks, k_blocks, k_span,
                   a_desc, w_desc, SPLIT: tl.constexpr, FP8: tl.constexpr, W4: tl.constexpr, BIG: tl.constexpr,
                   HAS_BIAS: tl.constexpr, TOPK: tl.constexpr, KP2: tl.constexpr,
