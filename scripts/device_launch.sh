@@ -5,6 +5,8 @@
 #   launch (default): pair blocks at T = 1 and programmatic dependent launch (tests/test_pair_blocks.py,
 #     tests/test_pdl.py), every scheme at T = 1 and 8, arms sorted / pairs / sorted+pdl / pairs+pdl
 #   tma: TMA tile descriptors (tests/test_tma.py), bf16 and fp8 at T = 512, 2048 and 8192, arms sorted / sorted+tma
+#   scales: GEMM2's input scales group-major (the workspace's) or row-major (tests/test_kernels_gpu.py), fp8 and
+#     a8w4 at T = 512, 2048 and 8192, arms sorted / sorted+rowscales
 # A device command may run 10 minutes: the tests (up to 240 s) and three or four shapes fit in one call, six shapes
 # without the tests (AB_SKIP_TESTS=1) in the next:
 #   bash scripts/device_launch.sh                  # tests; deepseek-v3 gpt-oss-120b glm-5.2-tp8
@@ -21,7 +23,10 @@ case "$kind" in
   tma) tests="tests/test_tma.py"; defaults="deepseek-v3 qwen3-235b-a22b glm-4.5 gpt-oss-120b"
        ab=(--schemes bf16 fp8 --tokens ${AB_TOKENS:-512 2048 8192} --arms sorted sorted+tma --iters 10)
        step_s=${AB_STEP_S:-110} ;;
-  *) echo "AB_KIND=$kind: allowed are launch (default) or tma" >&2; exit 2 ;;
+  scales) tests="tests/test_kernels_gpu.py"; defaults="deepseek-v3 gpt-oss-120b"
+          ab=(--schemes fp8 a8w4 --tokens ${AB_TOKENS:-512 2048 8192} --arms sorted sorted+rowscales --iters 10)
+          step_s=${AB_STEP_S:-110} ;;
+  *) echo "AB_KIND=$kind: allowed are launch (default), tma or scales" >&2; exit 2 ;;
 esac
 shapes=("${@:-$defaults}")
 read -ra shapes <<<"${shapes[*]}"

@@ -4,7 +4,9 @@ blocks at T = 1 (kernels/routing.py `PairBlocks`), with and without programmatic
 and routing.
 
 Arms: `sorted` (routing + GEMM1 + GEMM2), `pairs` (T = 1 only: GEMM1 + GEMM2), `sorted+pdl`, `pairs+pdl`,
-`sorted+tma` and `sorted+pdl+tma` (bf16 and fp8 only: MXFP4 tiles never use TMA).
+`sorted+tma` and `sorted+pdl+tma` (bf16 and fp8 only: MXFP4 tiles never use TMA), `sorted+rowscales` (fp8 and
+a8w4 only: GEMM2's input scales row-major [rows, groups], as before 2026-12-05, instead of the workspace's
+group-major layout; the kernels read either through the strides).
 Per (shape, scheme, T): check that every arm gives the first arm's output bit for bit, then time the arms
 in turn `--rounds` times (CUDA-graph replays, L2 flushed, median of `--iters`) and print / write each arm's
 median over rounds, its ratio to the first arm and its fraction of the layer floor.
@@ -17,6 +19,7 @@ median over rounds, its ratio to the first arm and its fraction of the layer flo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -31,14 +34,16 @@ from atom_moe.kernels.common import PDL_FLAG, TMA_FLAG  # noqa: E402
 from atom_moe.kernels.tuning import lookup  # noqa: E402
 from atom_moe.tools import common  # noqa: E402
 
-ARMS = ("sorted", "pairs", "sorted+pdl", "pairs+pdl", "sorted+tma", "sorted+pdl+tma")
+ARMS = ("sorted", "pairs", "sorted+pdl", "pairs+pdl", "sorted+tma", "sorted+pdl+tma", "sorted+rowscales")
 COLUMNS = ("shape", "scheme", "T", "routing", "config", "arm", "us", "vs_first", "floor_us", "frac", "read_tbps")
 
 
 def arms_at(arms: list[str], T: int, scheme: str) -> list[str]:
-    """The arms that run at T for `scheme`: pair blocks only for one token, TMA only for bf16 and fp8."""
+    """The arms that run at T for `scheme`: pair blocks only for one token, TMA only for bf16 and fp8, row-major
+    scales only for the e4m3 activations (fp8, a8w4)."""
     return [a for a in arms if (T == 1 or not a.startswith("pairs")) and (scheme in ("bf16", "fp8")
-                                                                         or not a.endswith("+tma"))]
+                                                                         or not a.endswith("+tma"))
+            and (scheme in ("fp8", "a8w4") or not a.endswith("+rowscales"))]
 
 
 def run_arm(arm: str, fn) -> object:
@@ -71,6 +76,9 @@ def measure(args: argparse.Namespace) -> list[dict]:
             spec = common.bench_spec(name, scheme)
             weights = common.random_weights(spec)
             ws = allocate_workspace(spec, max(args.tokens), "cuda")
+            # the same buffers but GEMM2's input scales row-major (contiguous [rows, groups])
+            ws_rows = ws if ws.inter_scale is None else \
+                dataclasses.replace(ws, inter_scale=torch.empty(ws.inter_scale.shape, device="cuda"))
             for T in args.tokens:
                 w, ids = common.make_routing(T, E, k, args.routing, gen, common.SHARED[name])
                 x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
@@ -78,7 +86,8 @@ def measure(args: argparse.Namespace) -> list[dict]:
                 outs = {arm: torch.empty_like(x) for arm in arms}
 
                 def layer(arm: str):
-                    return lambda: fused_experts(x, w, ids, weights, spec, workspace=ws, out=outs[arm],
+                    arm_ws = ws_rows if arm.endswith("+rowscales") else ws
+                    return lambda: fused_experts(x, w, ids, weights, spec, workspace=arm_ws, out=outs[arm],
                                                  pair_blocks=arm.startswith("pairs"))
                 for arm in arms:
                     run_arm(arm, layer(arm))
@@ -100,7 +109,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
                                frac=round(floor / us, 3), read_tbps=round(ceil["read_tbps"], 2))
                     print(" ".join(f"{c}={row[c]}" for c in COLUMNS), flush=True)
                     rows.append(row)
-            del weights, ws
+            del weights, ws, ws_rows
             torch.cuda.empty_cache()
     return rows
 

@@ -409,7 +409,8 @@ def test_launch_ab_needs_a_gpu():
     import launch_ab
     assert launch_ab.arms_at(list(launch_ab.ARMS), 1, "fp8") == list(launch_ab.ARMS)
     assert launch_ab.arms_at(list(launch_ab.ARMS), 8, "bf16") == ["sorted", "sorted+pdl", "sorted+tma", "sorted+pdl+tma"]
-    assert launch_ab.arms_at(list(launch_ab.ARMS), 8, "a8w4") == ["sorted", "sorted+pdl"]
+    assert launch_ab.arms_at(list(launch_ab.ARMS), 8, "a8w4") == ["sorted", "sorted+pdl", "sorted+rowscales"]
+    assert "sorted+rowscales" not in launch_ab.arms_at(list(launch_ab.ARMS), 512, "a16w4")
     before = {f: os.environ.get(f) for f in ("ATOM_MOE_PDL", "ATOM_MOE_TMA")}
     seen = launch_ab.run_arm("sorted+pdl+tma", lambda: (os.environ["ATOM_MOE_PDL"], os.environ["ATOM_MOE_TMA"]))
     assert seen == ("1", "1") and launch_ab.run_arm("sorted", lambda: os.environ["ATOM_MOE_TMA"]) == "0"
