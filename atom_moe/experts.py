@@ -4,8 +4,8 @@ Schemes: bf16, fp8 (e4m3 weights, 128x128 block scales), a16w4 (MXFP4 weights, b
 activations) and a8w4 (MXFP4 weights as MX quads, e4m3 activations: the layer input per
 token-group-128, GEMM2's input per token-group-64; fp8 dots, see kernels/gemm1.py).
 
-Three Triton launches per call at small T (two at T = 1 with ATOM_MOE_PAIR_BLOCKS=1: GEMM1
-does the routing launch's work, kernels/routing.py `PairBlocks`); larger T adds a separate combine
+Three Triton launches per call at small T (two at T = 1: GEMM1 does the routing launch's work,
+kernels/routing.py `PairBlocks`; ATOM_MOE_PAIR_BLOCKS=0 keeps the routing launch); larger T adds a separate combine
 (kernels/gemm2.py) and a second routing-sort launch (kernels/routing.py). No host sync,
 every buffer in a `Workspace` that the caller may allocate once (`allocate_workspace`) and
 pass in, so the forward is CUDA-graph capturable and the caller sees every allocation.
@@ -44,19 +44,24 @@ PAIR_BLOCKS_FLAG = "ATOM_MOE_PAIR_BLOCKS"
 
 
 def pair_blocks_enabled() -> bool:
-    """Whether T = 1 calls skip the routing launch by default: ATOM_MOE_PAIR_BLOCKS=1 (off until timed on a GPU)."""
+    """Whether T = 1 calls skip the routing launch by default: yes unless ATOM_MOE_PAIR_BLOCKS=0.
+
+    On since 2026-12-05: 1.02-1.18x faster than the routing launch at T = 1 in all 16 (shape, scheme) cells timed
+    on an H100 (docs/perf/launch-h100.md)."""
     flag = os.environ.get(PAIR_BLOCKS_FLAG, "")
     if flag not in ("", "0", "1"):
-        raise ValueError(f"{PAIR_BLOCKS_FLAG}={flag!r}: allowed are 1 (T = 1 in two launches, no routing sort), "
-                         "0 or unset (the routing launch at every T)")
-    return flag == "1"
+        raise ValueError(f"{PAIR_BLOCKS_FLAG}={flag!r}: allowed are 1 or unset (the default: T = 1 in two launches, "
+                         "no routing sort) or 0 (the routing launch at every T)")
+    return flag != "0"
 
 
 def launch_flags() -> str:
-    """The launch flags this process has on ("ATOM_MOE_PAIR_BLOCKS=1 ATOM_MOE_PDL=1 ATOM_MOE_TMA=1", or ""): benchmark
-    rows carry them, so a time is never read as the default path's when it was not."""
+    """The launch flags this process sets away from their defaults ("ATOM_MOE_PAIR_BLOCKS=0 ATOM_MOE_PDL=1
+    ATOM_MOE_TMA=1", or ""): benchmark rows carry them, so a time is never read as the default path's when it was
+    not."""
     from atom_moe.kernels.common import PDL_FLAG, TMA_FLAG  # lazy: the package imports without Triton
-    return " ".join(f"{flag}=1" for flag in (PAIR_BLOCKS_FLAG, PDL_FLAG, TMA_FLAG) if os.environ.get(flag) == "1")
+    changed = [f"{PAIR_BLOCKS_FLAG}=0"] if os.environ.get(PAIR_BLOCKS_FLAG) == "0" else []
+    return " ".join(changed + [f"{flag}=1" for flag in (PDL_FLAG, TMA_FLAG) if os.environ.get(flag) == "1"])
 
 
 def _kernels():
@@ -183,7 +188,7 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     "counter" (inside GEMM2) or "separate" (a fourth launch, local output only); default by
     pair count (kernels.gemm2.SEPARATE_MIN_PAIRS). `pair_blocks` skips the routing launch: each
     (token, slot) pair is its own row block and GEMM1 does the routing launch's per-token work
-    (kernels/routing.py `PairBlocks`); by default (ATOM_MOE_PAIR_BLOCKS=1) on for T = 1 with a local
+    (kernels/routing.py `PairBlocks`); by default (unless ATOM_MOE_PAIR_BLOCKS=0) on for T = 1 with a local
     output and unquantized x, where no expert can take two pairs of distinct ids: two launches.
     """
     if spec.scheme not in SUPPORTED:

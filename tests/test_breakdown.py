@@ -189,7 +189,8 @@ def test_measure_rows_at_one_token(scheme, monkeypatch):
     pytest.importorskip("triton")
     if _device() is None:
         pytest.skip("needs a CUDA GPU or TRITON_INTERPRET=1")
-    monkeypatch.setenv("ATOM_MOE_PAIR_BLOCKS", "1")
+    monkeypatch.delenv("ATOM_MOE_PAIR_BLOCKS", raising=False)  # the default at T = 1
+    monkeypatch.setenv("ATOM_MOE_TMA", "1")  # a flag away from its default is named in the row
     spec, weights, ws, x, w, ids = _tiny_layer(scheme)
     rows = breakdown.measure_rows(CallTimer(), spec, weights, ws, x[:1], w[:1], ids[:1], CEIL, sms=132)
     assert [r["kernel"] for r in rows] == ["gemm1", "gemm2", "layer"]
@@ -197,7 +198,7 @@ def test_measure_rows_at_one_token(scheme, monkeypatch):
     for r in rows[:2]:
         assert (r["bytes"], r["flops"]) == (terms[r["kernel"]].bytes, terms[r["kernel"]].flops)
         assert r["programs"] == r["active_programs"]
-    assert rows[2]["note"] == "sum of kernels 4.0 us; ATOM_MOE_PAIR_BLOCKS=1"  # the mode is named in the row
+    assert rows[2]["note"] == "sum of kernels 4.0 us; ATOM_MOE_TMA=1"
 
 
 def test_measure_rows_separate_combine_and_split_sort(monkeypatch):

@@ -100,14 +100,14 @@ def test_pair_blocks_with_split_k(seed, scheme):
 def test_the_flag_decides_the_default(seed, monkeypatch):
     spec, p, w, ids, x = _case("bf16", "random", 1)
     for flag, want in (("1", ["gemm1", "gemm2"]), ("0", ["routing", "gemm1", "gemm2"]),
-                       (None, ["routing", "gemm1", "gemm2"])):
+                       (None, ["gemm1", "gemm2"])):
         if flag is None:
             monkeypatch.delenv("ATOM_MOE_PAIR_BLOCKS")
         else:
             monkeypatch.setenv("ATOM_MOE_PAIR_BLOCKS", flag)
         assert [launch.stage for launch in record_launches(lambda: fused_experts(x, w, ids, p, spec))] == want, flag
     monkeypatch.setenv("ATOM_MOE_PAIR_BLOCKS", "yes")
-    with pytest.raises(ValueError, match="ATOM_MOE_PAIR_BLOCKS='yes': allowed are 1"):
+    with pytest.raises(ValueError, match="ATOM_MOE_PAIR_BLOCKS='yes': allowed are 1 or unset"):
         fused_experts(x, w, ids, p, spec)
 
 

@@ -49,12 +49,14 @@ def test_launch_flags_are_named_for_benchmark_rows(monkeypatch):
     assert launch_flags() == ""
     monkeypatch.setenv("ATOM_MOE_PDL", "1")
     assert launch_flags() == "ATOM_MOE_PDL=1"
-    monkeypatch.setenv("ATOM_MOE_PAIR_BLOCKS", "1")
-    assert launch_flags() == "ATOM_MOE_PAIR_BLOCKS=1 ATOM_MOE_PDL=1"
+    monkeypatch.setenv("ATOM_MOE_PAIR_BLOCKS", "1")  # the default: not named
+    assert launch_flags() == "ATOM_MOE_PDL=1"
+    monkeypatch.setenv("ATOM_MOE_PAIR_BLOCKS", "0")
+    assert launch_flags() == "ATOM_MOE_PAIR_BLOCKS=0 ATOM_MOE_PDL=1"
     monkeypatch.setenv("ATOM_MOE_PDL", "0")
-    assert launch_flags() == "ATOM_MOE_PAIR_BLOCKS=1"
+    assert launch_flags() == "ATOM_MOE_PAIR_BLOCKS=0"
     monkeypatch.setenv("ATOM_MOE_TMA", "1")
-    assert launch_flags() == "ATOM_MOE_PAIR_BLOCKS=1 ATOM_MOE_TMA=1"
+    assert launch_flags() == "ATOM_MOE_PAIR_BLOCKS=0 ATOM_MOE_TMA=1"
 
 
 def _chain(spec, p, xs, w, ids, ws, outs, **kwargs) -> None:
