@@ -411,6 +411,14 @@ def test_launch_ab_needs_a_gpu():
     assert launch_ab.arms_at(list(launch_ab.ARMS), 8, "bf16") == ["sorted", "sorted+pdl", "sorted+tma", "sorted+pdl+tma"]
     assert launch_ab.arms_at(list(launch_ab.ARMS), 8, "a8w4") == ["sorted", "sorted+pdl", "sorted+rowscales"]
     assert "sorted+rowscales" not in launch_ab.arms_at(list(launch_ab.ARMS), 512, "a16w4")
+    # a --tiles arm: the config it names (and no flag), a malformed one refused before any GPU work
+    assert launch_ab.tile_config("tiles=128,128,64,8,3,128,64,8,3") == \
+        launch_ab.TileConfig(128, 128, 64, 8, 3, 128, 64, 8, 3)
+    assert launch_ab.tile_config("sorted+tma") is None
+    assert launch_ab.run_arm("tiles=64,128,64,4,3,256,64,8,3", lambda: os.environ["ATOM_MOE_TMA"]) == "0"
+    proc = subprocess.run([sys.executable, script, "--tiles", "128,128,64"], capture_output=True, text=True,
+                          env=env, cwd=ROOT)
+    assert proc.returncode == 1 and "allowed are nine integers" in proc.stderr
     before = {f: os.environ.get(f) for f in ("ATOM_MOE_PDL", "ATOM_MOE_TMA")}
     seen = launch_ab.run_arm("sorted+pdl+tma", lambda: (os.environ["ATOM_MOE_PDL"], os.environ["ATOM_MOE_TMA"]))
     assert seen == ("1", "1") and launch_ab.run_arm("sorted", lambda: os.environ["ATOM_MOE_TMA"]) == "0"
