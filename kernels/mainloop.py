@@ -117,7 +117,10 @@ def k_loop(a_ptrs, as_ptrs, stride_as_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, w
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # out^T
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if W4 and FP8:  # activation scales one K step ahead: a plain load would stall every step
+    if W4 and FP8:  # activation scales one K step ahead at up to 64 rows: a plain load would stall every step.
+        # From 128 rows on, each thread holds 32+ token columns: the step's own scales are loaded at its top,
+        # which spills less (a8w4 GEMM1 128 x 128 x 128: 132 B instead of 268 B) and shortens GEMM2 128 x 128's
+        # loop from 342 to 282 instructions (sm_90a, scripts/kernel_sass.py)
         # an empty last split-K slice starts past K: its first scale is not read
         first = (tl.zeros([BLOCK_M], tl.int32) + k_lo) < K
         a_s_next = tl.load(as_ptrs + (k_lo // AGROUP) * stride_as_k, mask=row_ok & first, other=0.0)
@@ -137,11 +140,15 @@ def k_loop(a_ptrs, as_ptrs, stride_as_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, w
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if W4:
             if FP8:
-                a_s = a_s_next
-                # the scalar bound broadcast to [BLOCK_M] first: triton 3.9's interpreter rejects a mask
-                # that mixes a vector with a 0-d comparison ('mask has unsupported dtype')
-                more = (tl.zeros([BLOCK_M], tl.int32) + (k0 + BLOCK_K)) < K
-                a_s_next = tl.load(as_ptrs + ((k0 + BLOCK_K) // AGROUP) * stride_as_k, mask=row_ok & more, other=0.0)
+                if BLOCK_M >= 128:
+                    a_s = tl.load(as_ptrs + (k0 // AGROUP) * stride_as_k, mask=row_ok, other=0.0)
+                else:
+                    a_s = a_s_next
+                    # the scalar bound broadcast to [BLOCK_M] first: triton 3.9's interpreter rejects a mask
+                    # that mixes a vector with a 0-d comparison ('mask has unsupported dtype')
+                    more = (tl.zeros([BLOCK_M], tl.int32) + (k0 + BLOCK_K)) < K
+                    a_s_next = tl.load(as_ptrs + ((k0 + BLOCK_K) // AGROUP) * stride_as_k, mask=row_ok & more,
+                                       other=0.0)
                 acc = swap_step(acc, a, a_s, w_ptr, ws_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks,
                                 BLOCK_N, BLOCK_M, BLOCK_K, FP8, BIG, INTERP, SCALED)
             else:
