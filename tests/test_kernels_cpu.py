@@ -184,13 +184,16 @@ def _launches(spec, p, T: int, **kwargs) -> list:
     return record_launches(lambda: fused_experts(x, w, ids, p, spec, **kwargs))
 
 
-def test_small_calls_stay_one_routing_launch(seed):
-    # at the default threshold T = 1 (and any T*k <= SPLIT_PAIRS) is three launches in all (two at T = 1
-    # with pair blocks: tests/test_pair_blocks.py); 16 pairs covers T = 1 up to top-16
+def test_small_calls_stay_one_routing_launch(seed, monkeypatch):
+    # at the default threshold any T*k <= SPLIT_PAIRS is three launches in all, T = 1 two by default (pair
+    # blocks, tests/test_pair_blocks.py) and three without them; 16 pairs covers T = 1 up to top-16
     spec, p = make_layer(160, 96, 4, 2, "bf16", device=DEVICE)
     ws = allocate_workspace(spec, 8, DEVICE)
-    for T in (1, 8):
-        assert [launch.stage for launch in _launches(spec, p, T, workspace=ws)] == ["routing", "gemm1", "gemm2"]
+    monkeypatch.delenv("ATOM_MOE_PAIR_BLOCKS", raising=False)
+    assert [launch.stage for launch in _launches(spec, p, 1, workspace=ws)] == ["gemm1", "gemm2"]
+    assert [launch.stage for launch in _launches(spec, p, 8, workspace=ws)] == ["routing", "gemm1", "gemm2"]
+    monkeypatch.setenv("ATOM_MOE_PAIR_BLOCKS", "0")
+    assert [launch.stage for launch in _launches(spec, p, 1, workspace=ws)] == ["routing", "gemm1", "gemm2"]
 
 
 def test_split_routing_needs_room(monkeypatch):
