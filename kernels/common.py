@@ -87,6 +87,24 @@ def tma(device: torch.device) -> bool:
                                                  else torch.cuda.current_device()) >= (9, 0)
 
 
+def scale_strides(gemm: str, name: str, scale: torch.Tensor | None) -> tuple[int, int]:
+    """(row stride, group stride) of an activation-scale tensor [rows, groups]; (0, 0) for none.
+
+    The kernels read and write scales through these strides, so row-major and group-major layouts both work
+    (the workspace keeps GEMM2's input group-major, atom_moe/experts.py `Workspace`), row slices of either
+    too. Elements that overlap (a stride of 0, e.g. from expand) or neither dimension at unit stride are
+    refused: GEMM1's stores through them would collide, and such a tensor is never what a caller meant."""
+    if scale is None:
+        return 0, 0
+    (rows, groups), (s_row, s_group) = scale.shape, scale.stride()
+    row_major = (s_group == 1 or groups == 1) and (s_row >= groups or rows == 1)
+    group_major = (s_row == 1 or rows == 1) and (s_group >= rows or groups == 1)
+    if not (row_major or group_major):
+        raise ValueError(f"{gemm}: {name} {tuple(scale.shape)} has strides {(s_row, s_group)}: allowed are "
+                         f"row-major (strides (>= {groups}, 1)) or group-major (strides (1, >= {rows})) layouts")
+    return s_row, s_group
+
+
 def tile_desc(t: torch.Tensor, rows: int, block: tuple[int, int]) -> TensorDescriptor | None:
     """A TMA descriptor over contiguous `t` seen as [rows, t.shape[-1]] that loads `block` tiles (zeros past its
     edges), or None where TMA cannot address it: base or row not a multiple of 16 bytes, or a tile edge above

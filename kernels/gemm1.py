@@ -32,7 +32,7 @@ from atom_moe.layouts.gate_up import GateUpKind, GateUpLayout, GateUpTensor, Lay
 from atom_moe.spec import A8W4_INTER_GROUP
 
 from .common import (FP8_MAX, QGROUP, cast, check_split, interpreting, pdl_options, pdl_release, pdl_wait, register_cap,
-                     tile_desc)
+                     scale_strides, tile_desc)
 from .mainloop import k_loop, tile_expert, tile_finish, tile_rows, tile_start
 from .mxfp4 import launch_args, rowexp_arg, scaled_dot
 from .routing import PairBlocks, local_slots, quant_row, zero_counters, zero_row
@@ -243,8 +243,8 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
     # BIG is each MX layout's one compile-time switch: a16w4's scales above 128, a8w4's flushed blocks
     tiles = n_blocks * triton.cdiv(2 * inter, block_n)
     w_desc = tile_desc(w13, w13.shape[0] * w13.shape[1], (block_n, block_k)) if tma and not w4 else None
-    xs_strides = x_scale.stride() if fp8 else (0, 0)
-    os_strides = out_scale.stride() if fp8 else (0, 0)
+    xs_strides = scale_strides("GEMM1", "x_scale", x_scale)
+    os_strides = scale_strides("GEMM1", "out_scale", out_scale)
     args = (x, x.stride(0), x_scale if fp8 else x, *xs_strides, w13, w13_scale if w13_scale is not None else w13,
             rowexp, w13_bias if w13_bias is not None else w13, sorted_ids, block_expert,
             out, out_scale if fp8 else out, *os_strides, num_tokens * top_k, top_k, hidden, inter, n_blocks,

@@ -43,7 +43,7 @@ import triton.language as tl
 from atom_moe.spec import A8W4_INTER_GROUP
 
 from .common import (QGROUP, cast, check_split, checked_ids, interpreting, pdl_options, pdl_wait, prefetch_l2,
-                     register_cap, tile_desc)
+                     register_cap, scale_strides, tile_desc)
 from .mainloop import k_loop, tile_expert, tile_finish, tile_rows, tile_start
 from .mxfp4 import launch_args, rowexp_arg, scaled_dot
 
@@ -315,7 +315,7 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
     w_desc = tile_desc(w2, w2.shape[0] * hidden, (block_n, block_k)) if use_tma else None
     a_desc = tile_desc(a, a.shape[0], (block_m, block_k)) if use_tma and not pairs else None
     _gemm2_kernel[grid](
-        a, a_scale if fp8 else a, *(a_scale.stride() if fp8 else (0, 0)), w2,
+        a, a_scale if fp8 else a, *scale_strides("GEMM2", "a_scale", a_scale), w2,
         w2_scale if w2_scale is not None else w2, rowexp if w4 else w2,
         w2_bias if w2_bias is not None else w2,
         sorted_ids, block_expert, topk_ids, expert_map, topk_weights, partial, counters, n_counters,

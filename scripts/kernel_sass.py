@@ -72,9 +72,9 @@ def signature(kernel: str, scheme: str, tma: tuple[int, int, int, int] | None = 
                "part_ptr": "*fp32", "k_span": "i32", "ids_ptr": "*i32", "emap_ptr": "*i32", "num_experts": "i32",
                "src_ptr": "*bf16", "stride_src": "i32", "counters_ptr": "*i32", "n_counters": "i32",
                "layer_out_ptr": "*bf16", "stride_layer_out": "i32", "w_desc": w_desc}
-        div = ["x_ptr", "stride_x", "xs_ptr", "stride_xs", "stride_os_k", "w_ptr", "ws_ptr", "bias_ptr", "sorted_ptr",
-               "block_expert_ptr", "out_ptr", "outs_ptr", "hidden", "inter", "ids_ptr", "emap_ptr", "src_ptr", "stride_src",
-               "counters_ptr", "layer_out_ptr", "stride_layer_out"]
+        div = ["x_ptr", "stride_x", "xs_ptr", "stride_xs", "stride_os_k", "w_ptr", "ws_ptr", "bias_ptr",
+               "sorted_ptr", "block_expert_ptr", "out_ptr", "outs_ptr", "hidden", "inter", "ids_ptr", "emap_ptr",
+               "src_ptr", "stride_src", "counters_ptr", "layer_out_ptr", "stride_layer_out"]
         return _gemm1_kernel, sig, div
     sig = {"a_ptr": act, "as_ptr": "*fp32", "stride_as": "constexpr", "stride_as_k": "i32", "w_ptr": weight,
            "ws_ptr": scale, "rowexp_ptr": "*u8",
@@ -84,8 +84,9 @@ def signature(kernel: str, scheme: str, tma: tuple[int, int, int, int] | None = 
            "hidden": "i32", "inter": "i32", "n_blocks": "i32", "delta_ptr": "*i64", "info_ptr": "*i32",
            "slots_ptr": "*bf16", "returned_ptr": "*bf16", "capacity": "i32", "rank": "i32", "row_blocks": "i32",
            "k_blocks": "i32", "k_span": "i32", "a_desc": a_desc, "w_desc": w_desc}
-    div = ["a_ptr", "as_ptr", "stride_as_k", "w_ptr", "ws_ptr", "bias_ptr", "sorted_ptr", "block_expert_ptr", "ids_ptr",
-           "emap_ptr", "topk_w_ptr", "partial_ptr", "counters_ptr", "out_ptr", "stride_out", "hidden", "inter"]
+    div = ["a_ptr", "as_ptr", "stride_as_k", "w_ptr", "ws_ptr", "bias_ptr", "sorted_ptr", "block_expert_ptr",
+           "ids_ptr", "emap_ptr", "topk_w_ptr", "partial_ptr", "counters_ptr", "out_ptr", "stride_out", "hidden",
+           "inter"]
     return _gemm2_kernel, sig, div
 
 
@@ -103,10 +104,11 @@ def constexprs(kernel: str, scheme: str, block_m: int, block_n: int, block_k: in
         pairs = dict(PAIRS=True, KP2=triton.next_power_of_2(top_k), HG=triton.next_power_of_2(-(-pairs_hidden // 128))) \
             if pairs_hidden else dict(PAIRS=False, KP2=1, HG=1)
         # the unit strides Triton's launcher specializes: x_scale is row-major, GEMM2's input scales group-major
-        return {**common, "stride_xs_k": 1, "stride_os": 1, "OAI": True, "CLAMP": False, "SPLIT": 1, "PHASE": 0, **pairs,
-                "PDL_WAIT": pdl and not pairs_hidden, "PDL_RELEASE": pdl, "TMA_W": tma}
-    return {**common, "stride_as": 1, "TOPK": top_k, "KP2": triton.next_power_of_2(top_k), "REMOTE": False, "SEPARATE": separate,
-            "SPLIT": 1, "PAIRS": pairs_hidden > 0, "PDL": pdl, "TMA_A": tma and not pairs_hidden, "TMA_W": tma}
+        return {**common, "stride_xs_k": 1, "stride_os": 1, "OAI": True, "CLAMP": False, "SPLIT": 1, "PHASE": 0,
+                **pairs, "PDL_WAIT": pdl and not pairs_hidden, "PDL_RELEASE": pdl, "TMA_W": tma}
+    return {**common, "stride_as": 1, "TOPK": top_k, "KP2": triton.next_power_of_2(top_k), "REMOTE": False,
+            "SEPARATE": separate, "SPLIT": 1, "PAIRS": pairs_hidden > 0, "PDL": pdl, "TMA_A": tma and not pairs_hidden,
+            "TMA_W": tma}
 
 
 def loop_body(sass: str) -> list[str]:

@@ -549,6 +549,12 @@ def test_gemm_launch_guards(seed):
         call_gemm2(torch.ones(T * k, 1), 128, w2_rowexp=p8.w2_rowexp)
     with pytest.raises(ValueError, match=r"GEMM2: a_scale must be \[6, ceil\(I/64\)\] for a8w4, got \(6, 2\)"):
         call_gemm2(torch.ones(T * k, 2), 64, w2_rowexp=p8.w2_rowexp)
+    # scales are read and written through their strides: overlapping elements (expand) are refused
+    with pytest.raises(ValueError, match=r"GEMM2: a_scale \(6, 1\) has strides \(0, 1\): allowed are row-major"):
+        call_gemm2(torch.ones(1, 1).expand(T * k, 1), 64, w2_rowexp=p8.w2_rowexp)
+    with pytest.raises(ValueError, match=r"GEMM1: out_scale \(6, 1\) has strides \(0, 1\): allowed are row-major"):
+        gemm1.gemm1(x, x_scale, p8.w13, p8.w13_scale, None, ids, blocks, 1, k, out, torch.ones(1, 1).expand(T * k, 1),
+                    **kw, **quads)
 
 
 def test_fused_a8w4_flushes_the_blocks_the_twin_flushes(seed):
