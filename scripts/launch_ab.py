@@ -36,6 +36,7 @@ from atom_moe.experts import allocate_workspace, device_name, fused_experts  # n
 from atom_moe.kernels.common import PDL_FLAG, TMA_FLAG  # noqa: E402
 from atom_moe.kernels.tuning import TileConfig, lookup  # noqa: E402
 from atom_moe.tools import common  # noqa: E402
+from atom_moe.tools.tune import parse_tile_config  # noqa: E402
 
 ARMS = ("sorted", "pairs", "sorted+pdl", "pairs+pdl", "sorted+tma", "sorted+pdl+tma", "sorted+rowscales")
 COLUMNS = ("shape", "scheme", "T", "routing", "config", "arm", "us", "vs_first", "floor_us", "frac", "read_tbps")
@@ -53,11 +54,10 @@ def tile_config(arm: str) -> TileConfig | None:
     """The tile config of a `tiles=BM,N1,K1,W1,S1,N2,K2,W2,S2` arm; None for the other arms (the table's)."""
     if not arm.startswith("tiles="):
         return None
-    values = arm.removeprefix("tiles=").split(",")
-    if len(values) != 9 or not all(v.isdigit() for v in values):
-        raise SystemExit(f"--tiles {arm.removeprefix('tiles=')}: allowed are nine integers "
-                         f"BM,N1,K1,W1,S1,N2,K2,W2,S2")
-    return TileConfig(*map(int, values))
+    try:
+        return parse_tile_config(arm.removeprefix("tiles="))
+    except argparse.ArgumentTypeError as exc:
+        raise SystemExit(f"--tiles {exc}") from None
 
 
 def run_arm(arm: str, fn) -> object:

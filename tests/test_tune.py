@@ -127,6 +127,38 @@ def test_split_space_sweeps_the_table_row_and_the_heuristic_over_k_splits():
         tune.triton_candidates(replace(key, tokens=32), "split")
 
 
+def test_given_configs_run_beside_the_config_of_today_and_the_heuristic(tmp_path, monkeypatch):
+    """--configs: the key's table row (what the op runs today), the heuristic and the given configs, nothing else;
+    a config the scheme refuses is an error naming it before any timing."""
+    key = tune.Key("NVIDIA H200", "bf16", 7168, 2048, 256, 8, 2048)
+    today = tuning.lookup(*key.__dict__.values())
+    heur = tuning.heuristic("bf16", 7168, 2048, 256, 8, 2048)
+    given = [tune.parse_tile_config("128,128,64,8,3,128,64,8,3"), tune.parse_tile_config("128,256,64,8,4,256,64,8,4")]
+    assert given[0] == TileConfig(128, 128, 64, 8, 3, 128, 64, 8, 3)
+    got = tune.given_candidates(key, given + [today])
+    assert got == list(dict.fromkeys([today, heur, *given])) and len(got) >= 3
+    with pytest.raises(tune.TuneError, match=r"--configs 64,128,64,4,3,128,64,4,3: fp8 needs block_n1=256"):
+        tune.given_candidates(replace(key, scheme="fp8"), [cfg(64, 128, 64)])
+    for bad in ("128,128,64", "128,128,64,8,3,128,64,8,x"):
+        with pytest.raises(tune.argparse.ArgumentTypeError, match="allowed are nine integers"):
+            tune.parse_tile_config(bad)
+    # run_tuning times exactly those candidates, and refuses a bad one for any of its schemes before timing
+    spec = MoESpec.create(hidden_size=256, intermediate_size=128, num_experts=8, top_k=2)
+    import atom_moe.experts as experts
+    monkeypatch.setattr(experts, "device_name", lambda device: "Fake GPU")
+    want = tune.given_candidates(tune.Key("Fake GPU", "bf16", 256, 128, 8, 2, 64), given)
+    times = {c: [float(20 - i)] for i, c in enumerate(want)}
+    benches = []
+    (r,) = tune.run_tuning(spec, schemes=[Scheme.BF16], ep=1, tokens=[64], out=tmp_path / "t.csv", timer=None,
+                           device=torch.device("cpu"), log=lambda *a: None, configs=given,
+                           bench_factory=lambda s, T: benches.append(FakeBench({}, times)) or benches[-1])
+    assert [tr.config for tr in r.trials] == want and r.config == want[-1]
+    with pytest.raises(tune.TuneError, match="fp8 needs block_n1=256"):
+        tune.run_tuning(spec, schemes=[Scheme.BF16, Scheme.FP8], ep=1, tokens=[64], out=tmp_path / "u.csv",
+                        timer=None, device=torch.device("cpu"), log=lambda *a: None, configs=given,
+                        bench_factory=lambda s, T: pytest.fail("timed before the configs were checked"))
+
+
 def test_appending_to_a_table_from_before_split_k2_upgrades_its_header(tmp_path):
     """A resumed table written without split_k2 gets the column (as 1) before a new row is appended."""
     first, second = (tune.Result(replace(KEY, tokens=t), cfg(64, 256, 64, 8), 10.0 + t, 20.0, "tuned", "triton")
@@ -281,6 +313,11 @@ def test_cli_errors(capsys, tmp_path, monkeypatch):
     assert main(["tune", "deepseek-v3", "--interpret", "--timer", "wall", "--ep", "3",
                  "--out", str(tmp_path / "t.csv")]) == 2
     assert "num_experts divisible by the EP world size" in capsys.readouterr().err
+    assert main(["tune", "deepseek-v3", "--interpret", "--timer", "wall", "--space", "full",
+                 "--configs", "128,128,64,8,3,128,64,8,3", "--out", str(tmp_path / "t.csv")]) == 2
+    assert "--configs names the candidates itself" in capsys.readouterr().err
+    assert main(["tune", "deepseek-v3", "--configs", "128,128,64", "--out", str(tmp_path / "t.csv")]) == 2
+    assert "allowed are nine integers" in capsys.readouterr().err
 
 
 def test_run_tuning_end_to_end_in_the_interpreter(tmp_path, monkeypatch, seed):

@@ -161,6 +161,39 @@ def split_candidates(t, key: Key, heuristic) -> list:
     return list(dict.fromkeys([replace(c, split_k1=s1, split_k2=s2) for c in bases for s1 in splits for s2 in splits]))
 
 
+def parse_tile_config(text: str):
+    """A TileConfig from `BM,N1,K1,W1,S1,N2,K2,W2,S2` (a table row's first nine config columns, in order)."""
+    values = text.split(",")
+    if len(values) != 9 or not all(v.isdigit() for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed are nine integers BM,N1,K1,W1,S1,N2,K2,W2,S2")
+    return _tuning().TileConfig(*map(int, values))
+
+
+def given_candidates(key: Key, configs: list) -> list:
+    """--configs: the config the op runs today for the key (its table row or the heuristic), the heuristic, then
+    the given configs, so a pick is never slower than what runs today."""
+    t = _tuning()
+    check_given(key.scheme, configs)
+    today = t.lookup(key.device, key.scheme, key.H, key.I, key.E, key.top_k, key.tokens)
+    return list(dict.fromkeys([today, t.heuristic(key.scheme, key.H, key.I, key.E, key.top_k, key.tokens),
+                               *configs]))
+
+
+def check_given(scheme: str, configs: list) -> None:
+    """Raise TuneError naming the first --configs value the scheme's kernels refuse."""
+    t = _tuning()
+    for cfg in configs:
+        try:
+            cfg.check(scheme)
+        except t.ConfigError as exc:
+            raise TuneError(f"--configs {','.join(str(v) for v in _tiles_and_launch(cfg))}: {exc}") from None
+
+
+def _tiles_and_launch(cfg) -> tuple:
+    return (cfg.block_m, cfg.block_n1, cfg.block_k1, cfg.warps1, cfg.stages1, cfg.block_n2, cfg.block_k2,
+            cfg.warps2, cfg.stages2)
+
+
 def _tiles(cfg) -> tuple:
     return cfg.block_m, cfg.block_n1, cfg.block_k1, cfg.block_n2, cfg.block_k2
 
@@ -449,8 +482,11 @@ def plan_keys(spec: MoESpec, schemes: list[Scheme], ep: int, tokens: list[int], 
 def run_tuning(spec: MoESpec, *, schemes: list[Scheme], ep: int, tokens: list[int], out: Path, timer: Timer,
                device: torch.device, families: list[str] | None = None, space: str = "tied", retune: bool = False,
                seed: int = 0, tol: float = 2e-2, bench_factory=None, log=print,
-               trials_out: Path | None = None) -> list[Result]:
-    """Tune every (scheme, bucket) not yet in `out`; append each row (every candidate's to trials_out) as it ends."""
+               trials_out: Path | None = None, configs: list | None = None) -> list[Result]:
+    """Tune every (scheme, bucket) not yet in `out`; append each row (every candidate's to trials_out) as it ends.
+
+    `configs` (--configs) replaces the kernel families' spaces: only the key's config of today, the heuristic
+    and these are timed."""
     from ..experts import SUPPORTED, device_name
     chosen = families or list(FAMILIES)
     unknown = [f for f in chosen if f not in FAMILIES]
@@ -460,6 +496,8 @@ def run_tuning(spec: MoESpec, *, schemes: list[Scheme], ep: int, tokens: list[in
     if bad:
         raise TuneError(f"scheme(s) {', '.join(bad)}: the fused kernels do not take them; allowed: "
                         f"{', '.join(s.value for s in SUPPORTED)}")
+    for scheme in schemes if configs else ():
+        check_given(scheme.value, configs)  # before any GPU work
     keys = plan_keys(spec, schemes, ep, tokens, device_name(device))
     done = read_done(out)
     if retune:
@@ -480,7 +518,8 @@ def run_tuning(spec: MoESpec, *, schemes: list[Scheme], ep: int, tokens: list[in
     make_bench = bench_factory or default_bench
     results = []
     for key, s, T in progress(todo, desc="atom-moe tune", unit="shape", disable=not todo):
-        candidates = {f: FAMILIES[f](key, space) for f in chosen}
+        candidates = {"triton": given_candidates(key, configs)} if configs else \
+            {f: FAMILIES[f](key, space) for f in chosen}
         bench = make_bench(s, T)
         try:
             result = tune_key(key, candidates, bench)
@@ -542,8 +581,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="token buckets per rank (default 1 8 32 128 512 2048 8192)")
     parser.add_argument("--only", default=None, help=f"kernel families, comma-separated (default all: "
                                                      f"{', '.join(FAMILIES)})")
-    parser.add_argument("--space", choices=("tied", "full", "split"), default="tied",
-                        help="candidate space (see docs/tune.md)")
+    parser.add_argument("--space", choices=("tied", "full", "split"), default=None,
+                        help="candidate space (see docs/tune.md; default tied)")
+    parser.add_argument("--configs", nargs="+", type=parse_tile_config, default=None,
+                        metavar="BM,N1,K1,W1,S1,N2,K2,W2,S2",
+                        help="time only these tile configs beside the key's config of today and the heuristic "
+                             "(instead of --space)")
     parser.add_argument("--out", type=Path, default=Path("tuned.csv"), help="table to write / resume")
     parser.add_argument("--retune", action="store_true", help="redo keys already in --out")
     parser.add_argument("--trials", type=Path, default=None,
@@ -578,6 +621,8 @@ def run(args: argparse.Namespace) -> int:
             raise TuneError("on the CPU the kernels run only under the interpreter: add --interpret")
         if args.ep < 1 or any(t < 1 for t in args.tokens) or args.iters < 1:
             raise TuneError("--ep, --tokens and --iters must be >= 1")
+        if args.configs and (args.space or args.only):
+            raise TuneError("--configs names the candidates itself: drop --space / --only")
         layer = load_model(args.model)
         spec = layer.spec
         if args.hidden or args.intermediate or args.experts:
@@ -590,8 +635,9 @@ def run(args: argparse.Namespace) -> int:
         timer = cuda_graph_timer(args.iters) if timer_name == "cuda-graph" else wall_timer(args.iters)
         device = torch.device("cuda" if cuda else "cpu")
         results = run_tuning(spec, schemes=schemes, ep=args.ep, tokens=args.tokens, out=args.out, timer=timer,
-                             device=device, families=families, space=args.space, retune=args.retune,
-                             seed=args.seed, tol=args.tol, trials_out=args.trials)
+                             device=device, families=families, space=args.space or "tied",
+                             retune=args.retune, seed=args.seed, tol=args.tol, trials_out=args.trials,
+                             configs=args.configs)
         from ..experts import device_name
         keys = {k for k, _, _ in plan_keys(spec, schemes, args.ep, args.tokens, device_name(device))}
         earlier = table_rows(args.out, {k for k in keys if k not in {r.key for r in results}})
