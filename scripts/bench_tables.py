@@ -6,13 +6,15 @@
 
 One table per scheme (atom_moe rows; other impls of the same scheme in parentheses, e.g.
 grouped_mm for bf16, triton_kernels for a16w4), then one row per (shape, scheme, T) with us, floor, TB/s and config.
-A cell below its target is marked with a cross.
+A cell below its target is marked with a cross. `--ratios` prints the issues' required comparisons instead
+(`ratio_tables`): the peer's time over ours per (shape, T), each cell below its required ratio crossed.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import math
 from collections import defaultdict
 from pathlib import Path
 
@@ -20,7 +22,16 @@ TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
 REQUIRED = ("shape", "scheme", "T", "impl", "us", "floor_us", "frac_of_floor", "tbps", "tflops", "config")
 # (T = 1, T = 8..512, T = 2048, T = 8192) per scheme, from the kernels and MXFP4 issues
 TARGETS = {"bf16": (0.85, 0.92, 0.85, 0.70), "fp8": (0.80, 0.88, 0.75, 0.55),
-           "a16w4": (0.70, 0.80, 0.70, 0.65), "a8w4": (0.70, 0.80, 0.70, 0.50)}
+           "a16w4": (0.75, 0.85, 0.75, 0.65), "a8w4": (0.75, 0.85, 0.75, 0.55)}
+# the issues' required comparisons: (title, scheme of ours, the peer's (scheme, impls: the fastest counts),
+# required peer time / our time, which T); vLLM's and triton_kernels' rows come from the same bench process
+RATIOS = (
+    ("bf16: vLLM's best (default or tuned config) / ours", "bf16", ("bf16", ("vllm", "vllm-tuned")), 1.1, None),
+    ("fp8: vLLM's best (default or tuned config) / ours", "fp8", ("fp8", ("vllm", "vllm-tuned")), 1.1, None),
+    ("a16w4: triton_kernels' matmul_ogs / ours", "a16w4", ("a16w4", ("triton_kernels",)), 1.2, None),
+    ("a8w4: our fp8 / our a8w4, T <= 512", "a8w4", ("fp8", ("atom_moe",)), 1.5, lambda t: t <= 512),
+    ("a8w4: our a16w4 / our a8w4, T >= 512", "a8w4", ("a16w4", ("atom_moe",)), 1.0, lambda t: t >= 512),
+)
 
 
 def target(scheme: str, tokens: int) -> float:
@@ -71,6 +82,38 @@ def fraction_tables(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def ratio_tables(rows: list[dict]) -> str:
+    """Per required comparison with rows on both sides: shape x T of the peer's time over ours, crossed below
+    the required ratio. A dagger marks a cell where the peer already runs above 1 / ratio of the floor, so
+    that no time at or above the floor could reach the ratio."""
+    by = {(r["shape"], r["scheme"], int(r["T"]), r["impl"]): r for r in rows}
+    out = []
+    for title, scheme, (peer_scheme, impls), need, at in RATIOS:
+        cells_by_shape = {}
+        for (shape, sc, t, impl), ours in by.items():
+            if sc != scheme or impl != "atom_moe" or (at and not at(t)):
+                continue
+            peers = [by[(shape, peer_scheme, t, i)] for i in impls if (shape, peer_scheme, t, i) in by]
+            if not peers:
+                continue
+            best = min(peers, key=lambda r: float(r["us"]))
+            ratio = math.floor(float(best["us"]) / float(ours["us"]) * 100 + 1e-9) / 100  # truncated: 1.098 is 1.09
+            bound = float(best["frac_of_floor"]) * need > 1 and peer_scheme == scheme
+            cells_by_shape.setdefault(shape, {})[t] = f"{ratio:.2f}" + (" ✗" if ratio < need else "") \
+                + (" †" if bound else "")
+        if not cells_by_shape:
+            continue
+        tokens = [t for t in TOKENS if any(t in c for c in cells_by_shape.values())]
+        out += [f"### {title} (>= {need} wanted)", "", "| shape | " + " | ".join(f"T={t}" for t in tokens) + " |",
+                "|---|" + "---|" * len(tokens)]
+        for shape in sorted(cells_by_shape):
+            out.append(f"| {shape} | " + " | ".join(cells_by_shape[shape].get(t, "n/a") for t in tokens) + " |")
+        misses = sum(c.count("✗") for cells in cells_by_shape.values() for c in cells.values())
+        total = sum(len(c) for c in cells_by_shape.values())
+        out += ["", f"{total - misses} of {total} cells meet it.", ""]
+    return "\n".join(out)
+
+
 def detail_table(rows: list[dict]) -> str:
     """One line per atom_moe row: us, floor, fraction, TB/s, TFLOP/s, config."""
     groups = defaultdict(list)
@@ -92,6 +135,7 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, help="also draw the roofline PNG (atom_moe.tools.common.plot)")
     parser.add_argument("--ceilings", nargs=3, type=float, metavar=("READ_TBPS", "BF16_TFLOPS", "FP8_TFLOPS"),
                         help="the ceilings the bench measured in the same run (needed with --plot)")
+    parser.add_argument("--ratios", action="store_true", help="print the required comparisons (ratio_tables) only")
     args = parser.parse_args()
     if args.plot and not args.ceilings:
         parser.error("--plot needs --ceilings READ_TBPS BF16_TFLOPS FP8_TFLOPS (printed by the bench run)")
@@ -99,6 +143,9 @@ def main() -> None:
     if args.plot:
         from atom_moe.tools.common import CEILING_KEYS, plot
         plot(rows, dict(zip(CEILING_KEYS, args.ceilings)), args.plot)
+    if args.ratios:
+        print(ratio_tables(rows))
+        return
     print(fraction_tables(rows))
     print("### Time (us) and achieved TB/s, atom_moe\n")
     print(detail_table(rows))

@@ -53,6 +53,29 @@ def test_fraction_table_marks_misses_and_shows_baselines(tmp_path):
         bench_tables.read([bad])
 
 
+def test_ratio_tables_check_each_required_comparison(tmp_path):
+    # vLLM's best of its two configs over ours, crossed below 1.1 and daggered where vLLM already runs above
+    # 1 / 1.1 of the floor; a8w4 against our fp8 only at T <= 512 and against our a16w4 only at T >= 512
+    def row(scheme, T, impl, us, frac=0.5):
+        return dict(_row(scheme, T, frac, impl), us=us)
+    path = tmp_path / "r.csv"
+    _write(path, [row("bf16", 1, "atom_moe", 10.0), row("bf16", 1, "vllm", 12.0), row("bf16", 1, "vllm-tuned", 10.98),
+                  row("bf16", 8, "atom_moe", 10.0), row("bf16", 8, "vllm", 11.5),
+                  row("bf16", 32, "atom_moe", 10.0), row("bf16", 32, "vllm", 10.2, frac=0.95),
+                  row("a8w4", 128, "atom_moe", 10.0), row("fp8", 128, "atom_moe", 16.0),
+                  row("a8w4", 2048, "atom_moe", 10.0), row("fp8", 2048, "atom_moe", 30.0),
+                  row("a16w4", 2048, "atom_moe", 9.0), row("a16w4", 128, "atom_moe", 20.0)])
+    text = bench_tables.ratio_tables(bench_tables.read([path]))
+    lines = text.splitlines()
+    bf16 = lines[lines.index("| shape | T=1 | T=8 | T=32 |") + 2]
+    assert bf16 == "| s | 1.09 ✗ | 1.15 | 1.02 ✗ † |"
+    fp8_side = lines[lines.index("### a8w4: our fp8 / our a8w4, T <= 512 (>= 1.5 wanted)") + 4]
+    assert fp8_side == "| s | 1.60 |"  # T = 2048 is not compared with fp8
+    a16_side = lines[lines.index("### a8w4: our a16w4 / our a8w4, T >= 512 (>= 1.0 wanted)") + 4]
+    assert a16_side == "| s | 0.90 ✗ |"  # T = 128 is not compared with a16w4
+    assert "2 of 3 cells" not in text and "1 of 3 cells meet it." in text and "fp8: vLLM" not in text
+
+
 def test_tk_baseline_errors_are_clear():
     script = str(ROOT / "scripts" / "tk_baseline.py")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
