@@ -170,6 +170,11 @@ def heuristic(scheme: str, hidden: int, inter: int, num_experts: int, top_k: int
         if bm <= 16:
             return TileConfig(bm, 256, 128, 4, 4, 128, 128, 4, 4)
         return TileConfig(64, 256, 128, 8, 3, 128, 128, 8, 3)
+    if scheme == "bf16" and tokens >= 2048 and 16 < rows <= 128:
+        # On an H200 (2026-12-05, `atom-moe tune --configs`) 128 x 256 tiles with 4 stages beat the 32- and
+        # 64-row tiles by 3-27 % on all 9 keys timed: T = 2048 and 8192, 32-128 rows per expert, seven shapes
+        # (docs/perf/kernels-h200.md)
+        return TileConfig(128, 256, 64, 8, 4, 256, 64, 8, 4)
     if bm == 16 and scheme == "bf16":
         return TileConfig(16, 128, 128, 4, 3, 128, 128, 4, 3)
     if bm <= 64:  # a16w4 at 16 rows too: on an H200 (2026-12-04) its 128-k step was 1-13 % slower than this 64-k

@@ -8,6 +8,7 @@ import logging
 import pytest
 
 from atom_moe.kernels import tuning
+from atom_moe.kernels.tuning import TileConfig
 
 HEADER = ",".join(tuning.COLUMNS)
 
@@ -63,6 +64,18 @@ def test_heuristic_configs_are_valid():
     for scheme in ("bf16", "fp8"):
         for T in (1, 8, 64, 512, 8192):
             tuning.heuristic(scheme, 7168, 2048, 256, 8, T).check(scheme)
+
+
+def test_bf16_heuristic_takes_128x256_tiles_at_large_batches_of_17_to_128_rows_per_expert():
+    """The H200-measured rule (kernels/tuning.py): bf16 at T >= 2048 with 17-128 rows per expert, 4 stages."""
+    wide = TileConfig(128, 256, 64, 8, 4, 256, 64, 8, 4)
+    # (E, top_k, T): rows per expert T * top_k / E
+    for E, k, T in ((384, 6, 2048), (128, 8, 2048), (160, 8, 2048), (384, 6, 8192), (256, 8, 4096)):
+        assert tuning.heuristic("bf16", 5120, 640, E, k, T) == wide, (E, k, T)
+    assert tuning.heuristic("bf16", 5120, 640, 256, 8, 1024) != wide  # 32 rows, but below 2048 tokens
+    assert tuning.heuristic("bf16", 5120, 640, 1024, 8, 2048).block_m == 16  # 16 rows
+    assert tuning.heuristic("bf16", 5120, 640, 256, 8, 8192).stages1 == 3  # 256 rows: the 128-row default
+    assert tuning.heuristic("a16w4", 5120, 640, 384, 6, 2048) != wide  # MXFP4 keeps its own tiles
 
 
 def test_bad_tables_and_dirs_are_named(tmp_path, monkeypatch):
