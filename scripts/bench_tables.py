@@ -8,6 +8,7 @@ One table per scheme (atom_moe rows; other impls of the same scheme in parenthes
 grouped_mm for bf16, triton_kernels for a16w4), then one row per (shape, scheme, T) with us, floor, TB/s and config.
 A cell below its target is marked with a cross. `--ratios` prints the issues' required comparisons instead
 (`ratio_tables`): the peer's time over ours per (shape, T), each cell below its required ratio crossed.
+`--write-csv F` also writes the merged rows to F (scripts/device_tables.sh merges its per-shape CSVs so).
 """
 
 from __future__ import annotations
@@ -114,6 +115,15 @@ def ratio_tables(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def write_rows(rows: list[dict], path: Path) -> None:
+    """The merged rows as one CSV (columns in the order the inputs first name them)."""
+    columns = list(dict.fromkeys(c for r in rows for c in r))
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=columns, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def detail_table(rows: list[dict]) -> str:
     """One line per atom_moe row: us, floor, fraction, TB/s, TFLOP/s, config."""
     groups = defaultdict(list)
@@ -136,10 +146,13 @@ def main() -> None:
     parser.add_argument("--ceilings", nargs=3, type=float, metavar=("READ_TBPS", "BF16_TFLOPS", "FP8_TFLOPS"),
                         help="the ceilings the bench measured in the same run (needed with --plot)")
     parser.add_argument("--ratios", action="store_true", help="print the required comparisons (ratio_tables) only")
+    parser.add_argument("--write-csv", type=Path, help="also write the merged rows (later CSVs win) to this CSV")
     args = parser.parse_args()
     if args.plot and not args.ceilings:
         parser.error("--plot needs --ceilings READ_TBPS BF16_TFLOPS FP8_TFLOPS (printed by the bench run)")
     rows = read(args.csv)
+    if args.write_csv:
+        write_rows(rows, args.write_csv)
     if args.plot:
         from atom_moe.tools.common import CEILING_KEYS, plot
         plot(rows, dict(zip(CEILING_KEYS, args.ceilings)), args.plot)

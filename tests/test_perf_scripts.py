@@ -74,6 +74,20 @@ def test_ratio_tables_check_each_required_comparison(tmp_path):
     a16_side = lines[lines.index("### a8w4: our a16w4 / our a8w4, T >= 512 (>= 1.0 wanted)") + 4]
     assert a16_side == "| s | 0.90 ✗ |"  # T = 128 is not compared with a16w4
     assert "2 of 3 cells" not in text and "1 of 3 cells meet it." in text and "fp8: vLLM" not in text
+    # --write-csv: the merged rows, later files winning, read back as they went in
+    later = tmp_path / "later.csv"
+    _write(later, [row("bf16", 1, "atom_moe", 9.0)])
+    merged = tmp_path / "merged.csv"
+    bench_tables.write_rows(bench_tables.read([path, later]), merged)
+    back = {(r["scheme"], int(r["T"]), r["impl"]): float(r["us"]) for r in bench_tables.read([merged])}
+    assert len(back) == 13 and back[("bf16", 1, "atom_moe")] == 9.0 and back[("bf16", 1, "vllm")] == 12.0
+
+
+def test_device_tables_script_parses_and_refuses_an_unknown_part():
+    script = ROOT / "scripts" / "device_tables.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    proc = subprocess.run(["bash", str(script), "prefill"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and "allowed are kernels or mxfp4" in proc.stderr
 
 
 def test_tk_baseline_errors_are_clear():
