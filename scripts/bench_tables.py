@@ -45,6 +45,8 @@ def read(paths: list[Path]) -> list[dict]:
     """All rows of the CSVs, later files overriding earlier ones for the same (shape, scheme, T, impl)."""
     rows: dict[tuple, dict] = {}
     for path in paths:
+        if not Path(path).is_file():
+            raise SystemExit(f"{path}: no such CSV (pass atom-moe bench CSVs)")
         with open(path, newline="") as fh:
             reader = csv.DictReader(fh)
             missing = set(REQUIRED) - set(reader.fieldnames or ())

@@ -5,7 +5,8 @@
 # (python3 scripts/vllm_baseline_src.py).
 #   bash scripts/device_tables.sh kernels   # issue 22: bf16 / fp8 beside vLLM, uniform and skewed, T = 1-8192
 #   bash scripts/device_tables.sh mxfp4     # issue 19: a16w4 / a8w4, triton_kernels beside our a16w4, both routings
-# On an H200 on 2026-12-05 each part took 7-8 minutes of a call's 10 (docs/perf/kernels-h200.md, mxfp4-h200.md).
+# The same commands, run by hand on an H200 on 2026-12-05, took 7-8 minutes a part (docs/perf/kernels-h200.md,
+# mxfp4-h200.md); this script itself has not run on a GPU yet.
 # SHAPES (default: the five presets and the four seed shapes) and STEP_S (seconds per shape and step, default 60).
 set -uo pipefail
 part=${1:-}

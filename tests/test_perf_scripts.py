@@ -51,6 +51,8 @@ def test_fraction_table_marks_misses_and_shows_baselines(tmp_path):
     bad.write_text("shape,us\ns,1\n")
     with pytest.raises(SystemExit, match="missing columns"):
         bench_tables.read([bad])
+    with pytest.raises(SystemExit, match="no such CSV"):
+        bench_tables.read([tmp_path / "absent.csv"])
 
 
 def test_ratio_tables_check_each_required_comparison(tmp_path):

@@ -31,7 +31,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, astuple, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -186,12 +186,8 @@ def check_given(scheme: str, configs: list) -> None:
         try:
             cfg.check(scheme)
         except t.ConfigError as exc:
-            raise TuneError(f"--configs {','.join(str(v) for v in _tiles_and_launch(cfg))}: {exc}") from None
-
-
-def _tiles_and_launch(cfg) -> tuple:
-    return (cfg.block_m, cfg.block_n1, cfg.block_k1, cfg.warps1, cfg.stages1, cfg.block_n2, cfg.block_k2,
-            cfg.warps2, cfg.stages2)
+            # the first nine fields, in the order --configs takes them
+            raise TuneError(f"--configs {','.join(map(str, astuple(cfg)[:9]))}: {exc}") from None
 
 
 def _tiles(cfg) -> tuple:
