@@ -171,9 +171,9 @@ def heuristic(scheme: str, hidden: int, inter: int, num_experts: int, top_k: int
             return TileConfig(bm, 256, 128, 4, 4, 128, 128, 4, 4)
         return TileConfig(64, 256, 128, 8, 3, 128, 128, 8, 3)
     if scheme == "bf16" and tokens >= 2048 and 16 < rows <= 128:
-        # On an H200 (2026-12-05, `atom-moe tune --configs`) 128 x 256 tiles with 4 stages beat the 32- and
-        # 64-row tiles by 3-27 % on all 9 keys timed: T = 2048 and 8192, 32-128 rows per expert, seven shapes
-        # (docs/perf/kernels-h200.md)
+        # On an H200 (2026-12-05, `atom-moe tune --configs`) 128 x 256 tiles with 4 stages beat the configs run
+        # before (32- and 64-row, 4 warps) by 3-27 % on all 9 keys timed: T = 2048 and 8192, 32-128 rows per
+        # expert, seven shapes; where a 64-row 8-warp tile won, it was by 2 % at most (docs/perf/kernels-h200.md)
         return TileConfig(128, 256, 64, 8, 4, 256, 64, 8, 4)
     if bm == 16 and scheme == "bf16":
         return TileConfig(16, 128, 128, 4, 3, 128, 128, 4, 3)
