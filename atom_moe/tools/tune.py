@@ -161,11 +161,15 @@ def split_candidates(t, key: Key, heuristic) -> list:
     return list(dict.fromkeys([replace(c, split_k1=s1, split_k2=s2) for c in bases for s1 in splits for s2 in splits]))
 
 
+CONFIG_SYNTAX = "BM,N1,K1,W1,S1,N2,K2,W2,S2[,GROUP_M[,SPLIT1[,SPLIT2[,MAXNREG1[,MAXNREG2]]]]]"
+
+
 def parse_tile_config(text: str):
-    """A TileConfig from `BM,N1,K1,W1,S1,N2,K2,W2,S2` (a table row's first nine config columns, in order)."""
+    """A TileConfig from its fields in a table row's column order: the nine tile and launch fields, then optionally
+    group_m, split_k1, split_k2, maxnreg1, maxnreg2 (left out: the TileConfig defaults)."""
     values = text.split(",")
-    if len(values) != 9 or not all(v.isdigit() for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: allowed are nine integers BM,N1,K1,W1,S1,N2,K2,W2,S2")
+    if not 9 <= len(values) <= 14 or not all(v.isdigit() for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed are 9 to 14 integers {CONFIG_SYNTAX}")
     return _tuning().TileConfig(*map(int, values))
 
 
@@ -186,8 +190,7 @@ def check_given(scheme: str, configs: list) -> None:
         try:
             cfg.check(scheme)
         except t.ConfigError as exc:
-            # the first nine fields, in the order --configs takes them
-            raise TuneError(f"--configs {','.join(map(str, astuple(cfg)[:9]))}: {exc}") from None
+            raise TuneError(f"--configs {','.join(map(str, astuple(cfg)))}: {exc}") from None
 
 
 def _tiles(cfg) -> tuple:
@@ -580,8 +583,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--space", choices=("tied", "full", "split"), default=None,
                         help="candidate space (see docs/tune.md; default tied)")
     parser.add_argument("--configs", nargs="+", type=parse_tile_config, default=None,
-                        metavar="BM,N1,K1,W1,S1,N2,K2,W2,S2",
-                        help="time only these tile configs beside the key's config of today and the heuristic "
+                        metavar="CONFIG",
+                        help=f"{CONFIG_SYNTAX}: time only these tile configs beside the key's config of today and the heuristic "
                              "(instead of --space)")
     parser.add_argument("--out", type=Path, default=Path("tuned.csv"), help="table to write / resume")
     parser.add_argument("--retune", action="store_true", help="redo keys already in --out")
