@@ -160,7 +160,9 @@ def heuristic(scheme: str, hidden: int, inter: int, num_experts: int, top_k: int
     # MXFP4 schemes start from their activation twin's tiles (a8w4 ~ fp8, a16w4 ~ bf16), all of
     # them whole MX tile blocks; their own H200 rows come from `atom-moe tune`.
     if scheme == "a8w4":  # two fp32 accumulators of block_n1 x BLOCK_M: GEMM1 128 rows wide, K step 64
-        # (on an H200, gpt-oss, beat 256 rows at every T measured, docs/perf/mxfp4-h200.md); BLOCK_M <= 64
+        # (on an H200, gpt-oss, beat 256 rows at every T measured, docs/perf/mxfp4-h200.md); BLOCK_M <= 64.
+        # DeepSeek-V3 on an H100 (2026-12-05): 256 rows 1.2-1.6x slower at T = 1-512 too; a 128-k GEMM1 step
+        # 9-11 % faster at T = 128 / 512, kept out until an H200 run over the long-K shapes (a8w4-tiles-sass.md)
         if bm <= 32:
             return TileConfig(bm, 128, 64, 4, 4, 64, 64, 4, 4)
         return TileConfig(64, 128, 64, 4, 3, 256, 64, 8, 3)

@@ -584,8 +584,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="candidate space (see docs/tune.md; default tied)")
     parser.add_argument("--configs", nargs="+", type=parse_tile_config, default=None,
                         metavar="CONFIG",
-                        help=f"{CONFIG_SYNTAX}: time only these tile configs beside the key's config of today and the heuristic "
-                             "(instead of --space)")
+                        help=f"{CONFIG_SYNTAX}: time only these tile configs beside the key's config of today "
+                             "and the heuristic (instead of --space)")
     parser.add_argument("--out", type=Path, default=Path("tuned.csv"), help="table to write / resume")
     parser.add_argument("--retune", action="store_true", help="redo keys already in --out")
     parser.add_argument("--trials", type=Path, default=None,
