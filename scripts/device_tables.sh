@@ -19,12 +19,17 @@ shapes=(${SHAPES:-deepseek-v3 kimi-k2 gpt-oss-120b qwen3-235b-a22b glm-4.5 glm-5
         deepseek-v4.1-flash-tp4 deepseek-v4.1-flash-tp2})
 step_s=${STEP_S:-60}
 vllm=.cache/vllm-0.33.0
-[ -d "$vllm" ] || { echo "device_tables.sh: $vllm missing: run python3 scripts/vllm_baseline_src.py, carry it" >&2; exit 2; }
+if [ ! -d "$vllm" ]; then
+  echo "device_tables.sh: $vllm missing: run python3 scripts/vllm_baseline_src.py, carry it" >&2
+  exit 2
+fi
 work=$(mktemp -d)
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$work/install.log" 2>&1 || { cat "$work/install.log"; exit 1; }
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$work/install.log" 2>&1 \
+  || { cat "$work/install.log"; exit 1; }
+python3 -c "import torch, triton
+print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 step() { echo "== $1 [$(date +%T)]"; }
 # one bench per shape into $work/<tag>/<shape>.csv; prints how many rows each wrote
 bench() {

@@ -51,7 +51,8 @@ def arms_at(arms: list[str], T: int, scheme: str) -> list[str]:
 
 
 def tile_config(arm: str) -> TileConfig | None:
-    """The tile config of a `tiles=BM,N1,K1,W1,S1,N2,K2,W2,S2[,...]` arm (tune.CONFIG_SYNTAX); None for the other arms (the table's)."""
+    """The tile config of a `tiles=BM,N1,K1,W1,S1,N2,K2,W2,S2[,...]` arm (tune.CONFIG_SYNTAX); None for the other
+    arms (the table's)."""
     if not arm.startswith("tiles="):
         return None
     try:

@@ -143,7 +143,8 @@ def test_given_configs_run_beside_the_config_of_today_and_the_heuristic(tmp_path
     assert tune.parse_tile_config("16,256,128,4,4,128,64,4,4,8,4,2") == \
         TileConfig(16, 256, 128, 4, 4, 128, 64, 4, 4, group_m=8, split_k1=4, split_k2=2)
     assert tune.parse_tile_config("16,128,128,4,4,128,128,4,4,8,1,1,96,96").maxnreg2 == 96
-    for bad in ("128,128,64", "128,128,64,8,3,128,64,8,x", "1,2,3,4,5,6,7,8,9,8,1,1,0,0,0", "16,128,64,4,4,128,64,4,-4"):
+    for bad in ("128,128,64", "128,128,64,8,3,128,64,8,x", "1,2,3,4,5,6,7,8,9,8,1,1,0,0,0",
+                "16,128,64,4,4,128,64,4,-4"):
         with pytest.raises(tune.argparse.ArgumentTypeError, match="allowed are 9 to 14 integers"):
             tune.parse_tile_config(bad)
     with pytest.raises(tune.TuneError, match=r"--configs 16,128,64,4,4,128,64,4,4,8,99,1,0,0: split_k1=99"):
