@@ -5,7 +5,9 @@ activations) and a8w4 (MXFP4 weights as MX quads, e4m3 activations: the layer in
 token-group-128, GEMM2's input per token-group-64; fp8 dots, see kernels/gemm1.py).
 
 Three Triton launches per call at small T (two at T = 1: GEMM1 does the routing launch's work,
-kernels/routing.py `PairBlocks`; ATOM_MOE_PAIR_BLOCKS=0 keeps the routing launch); larger T adds a separate combine
+kernels/routing.py `PairBlocks`; ATOM_MOE_PAIR_BLOCKS=0 keeps the routing launch; a config that splits GEMM1's K
+adds its second launch, as a8w4's heuristic does at T = 1 on shapes with few GEMM1 programs, kernels/tuning.py);
+larger T adds a separate combine
 (kernels/gemm2.py) and a second routing-sort launch (kernels/routing.py). No host sync,
 every buffer in a `Workspace` that the caller may allocate once (`allocate_workspace`) and
 pass in, so the forward is CUDA-graph capturable and the caller sees every allocation.
@@ -189,7 +191,8 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     pair count (kernels.gemm2.SEPARATE_MIN_PAIRS). `pair_blocks` skips the routing launch: each
     (token, slot) pair is its own row block and GEMM1 does the routing launch's per-token work
     (kernels/routing.py `PairBlocks`); by default (unless ATOM_MOE_PAIR_BLOCKS=0) on for T = 1 with a local
-    output and unquantized x, where no expert can take two pairs of distinct ids: two launches.
+    output and unquantized x, where no expert can take two pairs of distinct ids: two launches (three
+    where the config splits GEMM1's K).
     """
     if spec.scheme not in SUPPORTED:
         raise ValueError(f"fused_experts supports schemes {[s.value for s in SUPPORTED]}, got {spec.scheme.value}")

@@ -1,7 +1,8 @@
 """Routing metadata: sort (token, slot) pairs by local expert, padded per expert to BLOCK_M.
 
 One launch does all the per-call preparation the GEMMs need, so a small call stays at three
-launches (this, GEMM1, GEMM2); at T = 1 GEMM1 can do it instead (PairBlocks: two launches):
+launches (this, GEMM1, GEMM2); at T = 1 GEMM1 can do it instead (PairBlocks: two launches, three
+where GEMM1 splits K):
   program 0      : counts pairs per local expert, writes the padded sorted pair list and
                    the per-block expert table (-1 = no work);
   programs 1..   : one per (token, 1024-column chunk): zero the token's GEMM2 combine
@@ -54,7 +55,8 @@ FILL_BLOCKS = 64  # row blocks whose padding and block_expert one launch-B progr
 class PairBlocks:
     """A call routed without the sort: row block b is (token, slot) pair b alone, and GEMM1 does the
     routing launch's per-token work (kernels/gemm1.py `token_duties`). Meant for where no expert takes
-    two pairs, as at T = 1: the layer is then two launches (atom_moe.experts: ATOM_MOE_PAIR_BLOCKS)."""
+    two pairs, as at T = 1: the layer is then two launches, three where GEMM1 splits K (atom_moe.experts:
+    ATOM_MOE_PAIR_BLOCKS)."""
 
     topk_ids: torch.Tensor  # [T, k]
     expert_map: torch.Tensor  # int32 [E]: local expert or -1

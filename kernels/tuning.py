@@ -99,6 +99,7 @@ MIN_MAXNREG, MAX_MAXNREG = 64, 255  # the floor keeps a typo from building a spi
 MAX_SPLIT_K = 8  # kernels/common.py's bound (no triton import here)
 SPLIT_MAX_PAIRS = 128  # kernels/common.py's: split-K only for decode batches
 MIN_BLOCK_M = 16
+A8W4_SPLIT_BELOW_PROGRAMS = 128  # a8w4 at T = 1: split GEMM1's K below this many programs
 MIN_BLOCK_N2 = 32
 
 _tables: dict[tuple[str, ...], list[list[dict]]] = {}
@@ -159,13 +160,20 @@ def heuristic(scheme: str, hidden: int, inter: int, num_experts: int, top_k: int
     bm = 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 128 else 128
     # MXFP4 schemes start from their activation twin's tiles (a8w4 ~ fp8, a16w4 ~ bf16), all of
     # them whole MX tile blocks; their own H200 rows come from `atom-moe tune`.
-    if scheme == "a8w4":  # two fp32 accumulators of block_n1 x BLOCK_M: GEMM1 128 rows wide, K step 64
-        # (on an H200, gpt-oss, beat 256 rows at every T measured, docs/perf/mxfp4-h200.md); BLOCK_M <= 64.
-        # DeepSeek-V3 on an H100 (2026-12-05): 256 rows 1.2-1.6x slower at T = 1-512 too; a 128-k GEMM1 step
-        # 9-11 % faster at T = 128 / 512, kept out until an H200 run over the long-K shapes (a8w4-tiles-sass.md)
+    if scheme == "a8w4":  # two fp32 accumulators of block_n1 x BLOCK_M: GEMM1 128 rows wide; BLOCK_M <= 64
+        # (on an H200, gpt-oss, 128 rows beat 256 at every T measured, docs/perf/mxfp4-h200.md; on an H100 256
+        # rows ran 1.2-1.6x slower at T = 1-512 on DeepSeek-V3). GEMM1 steps K by 128 from T = 2 on: on an H100
+        # (2026-12-06, `atom-moe tune --configs`, six served shapes, T = 8-8192) the layer took 0.87-0.99 of
+        # the 64-k step's time in 27 of 28 keys, 2 % more in one (docs/perf/a8w4-tiles-sass.md)
+        if tokens == 1:  # top_k pairs: few GEMM1 programs. A K split in two fills the SMs where there are
+            # fewer than 128 (GLM-5.2-TP8 36, DeepSeek-V4.1-Flash-TP4 60: 0.69-0.78 of the 64-k time); with
+            # 192-256 (four shapes) neither the split nor the 128-k step beat the 64-k step (within 3 %)
+            if top_k * -(-2 * inter // 128) < A8W4_SPLIT_BELOW_PROGRAMS and hidden > 128:  # two K steps at least
+                return TileConfig(16, 128, 128, 4, 4, 64, 64, 4, 4, split_k1=2)
+            return TileConfig(16, 128, 64, 4, 4, 64, 64, 4, 4)
         if bm <= 32:
-            return TileConfig(bm, 128, 64, 4, 4, 64, 64, 4, 4)
-        return TileConfig(64, 128, 64, 4, 3, 256, 64, 8, 3)
+            return TileConfig(bm, 128, 128, 4, 4, 64, 64, 4, 4)
+        return TileConfig(64, 128, 128, 4, 3, 256, 64, 8, 3)
     if scheme in FP8_ACT:  # BLOCK_M 128 with a 256-wide fp32 tile spills: cap at 64
         # From 17 rows per expert on, 64-row tiles with 8 warps: on an H200 (2026-12-02) the 32-row
         # 4-warp tile ran 2.0-2.7x slower at 18-32 rows (GLM-5.2 T=512, DeepSeek-V4.1-Flash T=2048)

@@ -61,7 +61,7 @@ def test_heuristic_logs_once_per_shape(caplog):
 
 
 def test_heuristic_configs_are_valid():
-    for scheme in ("bf16", "fp8"):
+    for scheme in ("bf16", "fp8", "a16w4", "a8w4"):
         for T in (1, 8, 64, 512, 8192):
             tuning.heuristic(scheme, 7168, 2048, 256, 8, T).check(scheme)
 
@@ -76,6 +76,34 @@ def test_bf16_heuristic_takes_128x256_tiles_at_large_batches_of_17_to_128_rows_p
     assert tuning.heuristic("bf16", 5120, 640, 1024, 8, 2048).block_m == 16  # 16 rows
     assert tuning.heuristic("bf16", 5120, 640, 256, 8, 8192).stages1 == 3  # 256 rows: the 128-row default
     assert tuning.heuristic("a16w4", 5120, 640, 384, 6, 2048) != wide  # MXFP4 keeps its own tiles
+
+
+def test_a8w4_heuristic_steps_gemm1_by_128_and_splits_it_at_one_token_where_programs_are_few():
+    """The H100-measured rule (kernels/tuning.py, docs/perf/a8w4-tiles-sass.md): GEMM1's 128-k step from T = 2
+    on; at T = 1 a K split in two below 128 GEMM1 programs (top_k * 2I / 128), else the 64-k step."""
+    for T in (2, 8, 128, 512, 2048, 8192):
+        for H, I, E, k in ((7168, 2048, 256, 8), (6144, 256, 257, 9), (5120, 640, 384, 6)):
+            cfg = tuning.heuristic("a8w4", H, I, E, k, T)
+            assert (cfg.block_k1, cfg.split_k1, cfg.block_k2) == (128, 1, 64), (H, I, T)
+            cfg.check("a8w4")
+    one = {name: tuning.heuristic("a8w4", H, I, E, k, 1) for name, (H, I, E, k) in {
+        "glm-5.2-tp8": (6144, 256, 257, 9),  # 9 * 4 = 36 programs
+        "v4.1-flash-tp4": (5120, 640, 384, 6),  # 6 * 10 = 60
+        "edge": (4096, 960, 128, 8),  # 8 * 15 = 120
+        "deepseek-v3": (7168, 2048, 256, 8),  # 8 * 32 = 256
+        "above": (4096, 1024, 128, 8),  # 8 * 16 = 128: not below
+        "qwen3": (4096, 1536, 128, 8),  # 192
+    }.items()}
+    for name in ("glm-5.2-tp8", "v4.1-flash-tp4", "edge"):
+        assert (one[name].block_k1, one[name].split_k1) == (128, 2), name
+    for name in ("deepseek-v3", "above", "qwen3"):
+        assert (one[name].block_k1, one[name].split_k1) == (64, 1), name
+    for cfg in one.values():
+        cfg.check("a8w4")
+    # H of one 128-k step has nothing to split: the 64-k step, unsplit
+    assert (tuning.heuristic("a8w4", 128, 64, 8, 2, 1).split_k1, tuning.heuristic("a8w4", 128, 64, 8, 2, 1).block_k1) \
+        == (1, 64)
+    assert tuning.heuristic("fp8", 6144, 256, 257, 9, 1).split_k1 == 1  # the rule is a8w4's alone
 
 
 def test_bad_tables_and_dirs_are_named(tmp_path, monkeypatch):

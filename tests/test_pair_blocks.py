@@ -19,6 +19,7 @@ from kernel_cases import make_layer, make_routing, poison, rel_err  # noqa: E402
 
 from atom_moe.experts import allocate_workspace, fused_experts  # noqa: E402
 from atom_moe.experts_torch import experts_torch  # noqa: E402
+from atom_moe.kernels import tuning  # noqa: E402
 from atom_moe.kernels.tuning import TileConfig  # noqa: E402
 from atom_moe.tools.breakdown import record_launches  # noqa: E402
 
@@ -62,11 +63,15 @@ def _case(scheme: str, mode: str, T: int):
 def test_one_token_is_two_launches_and_equals_the_sorted_path(seed, scheme, mode):
     spec, p, w, ids, x = _case(scheme, mode, 1)
     sorted_path = fused_experts(x, w, ids, p, spec, pair_blocks=False)
+    # no routing launch; GEMM1 is a second launch only where the config splits its K (a8w4's heuristic at
+    # T = 1 on shapes with few GEMM1 programs, as here: kernels/tuning.py)
+    gemm1 = ["gemm1"] * (2 if tuning.heuristic(scheme, H, I, E, K, 1).split_k1 > 1 else 1)
+    assert len(gemm1) == (2 if scheme == "a8w4" else 1)
     for _ in range(2):  # the second call finds the first call's counters: GEMM1 must zero them again
         ws = _poisoned(spec, 1)
         out = torch.full((1, H), float("nan"), device=DEVICE, dtype=torch.bfloat16)
         launches = record_launches(lambda: fused_experts(x, w, ids, p, spec, workspace=ws, out=out))
-        assert [launch.stage for launch in launches] == ["gemm1", "gemm2"]
+        assert [launch.stage for launch in launches] == gemm1 + ["gemm2"]
         assert torch.equal(out, sorted_path), "pair blocks differ from the sorted path"
     if mode == "nothing_local":
         assert (out == 0).all()
