@@ -6,9 +6,9 @@ machine, no GPU needed: Triton's HIP target builds an hsaco for gfx942 (MI300X) 
     python scripts/hip_compile.py --arch gfx950 --schemes a8w4
 
 The variants: every row of kernels/configs/*.csv (a8w4's GEMM1 also at 128-k steps, the K step
-that runs tl.dot_scaled on gfx950), and the heuristic's pick for every preset
-(and the seed shapes of the bench) at every token bucket, per scheme, GEMM2 built at top-k 8 with the
-separate combine; and for the served presets (atom_moe.presets.SERVED: top-k 9 and 6) GEMM2 exactly as
+that runs tl.dot_scaled on gfx950; a row that splits K also as its split-K launches), and the heuristic's
+pick for every preset (and the seed shapes of the bench) at every token bucket, per scheme, GEMM2 built at
+top-k 8 with the separate combine; and for the served presets (atom_moe.presets.SERVED: top-k 9 and 6) GEMM2 exactly as
 their heuristic picks launch it in their schemes (a8w4 too for GLM-5.2's MXFP4), with the combine each
 token bucket takes (kernels/gemm2.py's SEPARATE_MIN_PAIRS); and both GEMMs as T = 1 launches them, with
 pair blocks (no routing launch: GEMM1 specializes on the row's 128-groups and top-k, kernels/routing.py),
@@ -40,15 +40,28 @@ ARCHS = ("gfx942", "gfx950")
 SCHEMES = compile_all.SCHEMES
 
 
+def split_variants(kernel: str, scheme: str, c, top_k: int, separate: bool, pairs_hidden: int) -> set[tuple]:
+    """One GEMM of config c as it launches unsplit and, where c splits its K (decode batches), split: GEMM1's
+    two phases, GEMM2's one launch with the counter combine (split-K's only combine)."""
+    if kernel == "gemm1":
+        tile, split = (c.block_m, c.block_n1, c.block_k1, c.warps1, c.stages1), c.split_k1
+        split_launches = {(top_k, separate, pairs_hidden, split, phase) for phase in (1, 2)}
+    else:
+        tile, split = (c.block_m, c.block_n2, c.block_k2, c.warps2, c.stages2), c.split_k2
+        split_launches = {(top_k, False, pairs_hidden, split, 0)}
+    launches = {(top_k, separate, pairs_hidden, 1, 0)} | (split_launches if split > 1 else set())
+    return {(kernel, scheme, *tile, *launch) for launch in launches}
+
+
 def variants(schemes: tuple[str, ...]) -> set[tuple]:
-    """(kernel, scheme, block_m, block_n, block_k, warps, stages, top_k, separate, pairs_hidden) for every config
-    the lookup can return, and a8w4's GEMM1 also at 128-k steps (GEMM1 specializes on neither top_k nor
-    separate: 8, True; pairs_hidden 0: the routing launch ran), then the T = 1 pair-block launches."""
+    """(kernel, scheme, block_m, block_n, block_k, warps, stages, top_k, separate, pairs_hidden, split, phase) for
+    every config the lookup can return, split-K launches included, and a8w4's GEMM1 also at 128-k steps (GEMM1
+    specializes on neither top_k nor separate: 8, True; pairs_hidden 0: the routing launch ran), then the T = 1
+    pair-block launches."""
     out = set()
     for scheme, configs in compile_all.table_configs(schemes).items():
         for c in configs:
-            out.add(("gemm1", scheme, c.block_m, c.block_n1, c.block_k1, c.warps1, c.stages1, 8, True, 0))
-            out.add(("gemm2", scheme, c.block_m, c.block_n2, c.block_k2, c.warps2, c.stages2, 8, True, 0))
+            out |= split_variants("gemm1", scheme, c, 8, True, 0) | split_variants("gemm2", scheme, c, 8, True, 0)
     # a8w4 GEMM1 at 128-k steps too: a pick `atom-moe tune` may make, and on gfx950 the one that runs
     # tl.dot_scaled (the tables and the heuristic step by 64)
     out |= {u[:4] + (128,) + u[5:] for u in out if u[:2] == ("gemm1", "a8w4")}
@@ -69,10 +82,8 @@ def pair_variants(schemes: tuple[str, ...]) -> set[tuple]:
             if key in seen:
                 continue
             seen.add(key)
-            out.add(("gemm1", scheme, c.block_m, c.block_n1, c.block_k1, c.warps1, c.stages1, s.top_k, False,
-                     s.hidden_size))
-            out.add(("gemm2", scheme, c.block_m, c.block_n2, c.block_k2, c.warps2, c.stages2, s.top_k, False,
-                     s.hidden_size))
+            out |= split_variants("gemm1", scheme, c, s.top_k, False, s.hidden_size)
+            out |= split_variants("gemm2", scheme, c, s.top_k, False, s.hidden_size)
     return out
 
 
@@ -89,19 +100,20 @@ def served_variants(schemes: tuple[str, ...]) -> set[tuple]:
             for tokens in compile_all.TOKENS:
                 c = heuristic(scheme, s.hidden_size, s.intermediate_size, s.num_experts, s.top_k, tokens)
                 out.add(("gemm2", scheme, c.block_m, c.block_n2, c.block_k2, c.warps2, c.stages2, s.top_k,
-                         tokens * s.top_k >= SEPARATE_MIN_PAIRS, 0))
+                         tokens * s.top_k >= SEPARATE_MIN_PAIRS, 0, 1, 0))
     return out
 
 
 def compile_hip(kernel: str, scheme: str, bm: int, bn: int, bk: int, warps: int, stages: int, top_k: int,
-                separate: bool, pairs_hidden: int, arch: str) -> int:
+                separate: bool, pairs_hidden: int, split: int, phase: int, arch: str) -> int:
     """Build one variant for `arch`; return the hsaco's size in bytes."""
     fn, sig, div = kernel_sass.signature(kernel, scheme)
     if kernel == "gemm2" and not separate:  # the counter combine's partials are the fp32 workspace
         sig = {**sig, "partial_ptr": "*fp32"}
     # a8w4 through tl.dot_scaled where kernels/mxfp4.py's scaled_dot picks it by default (gfx950, 128-k steps)
     ce = kernel_sass.constexprs(kernel, scheme, bm, bn, bk, top_k, separate,
-                                scaled=mxfp4.scaled_by_default(arch, bk), pairs_hidden=pairs_hidden)
+                                scaled=mxfp4.scaled_by_default(arch, bk), pairs_hidden=pairs_hidden, split=split,
+                                phase=phase)
     names = list(sig) + list(ce)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in div}
     src = ASTSource(fn, {**sig, **{k: "constexpr" for k in ce}}, constexprs=ce, attrs=attrs)
@@ -109,9 +121,16 @@ def compile_hip(kernel: str, scheme: str, bm: int, bn: int, bk: int, warps: int,
     hsaco = compiled.asm.get("hsaco", b"")
     if not hsaco:
         raise RuntimeError("no hsaco produced")
-    if ce["SCALED"] and "v_mfma_scale_" not in compiled.asm["amdgcn"]:
+    if ce["SCALED"] and phase != 2 and "v_mfma_scale_" not in compiled.asm["amdgcn"]:  # phase 2 only adds slices
         raise RuntimeError("tl.dot_scaled did not become the scaled MFMA (v_mfma_scale_*)")
     return len(hsaco)
+
+
+def label(variant: tuple, arch: str) -> str:
+    """A variant's report line up to its size: arch, the ten fields up to pairs_hidden, then its split and marks."""
+    split, phase = variant[10:12]
+    split_mark = f" split {split} phase {phase}" if split > 1 else ""
+    return f"{arch} {' '.join(map(str, variant[:10]))}{split_mark}{scaled_mark(variant, arch)}: hsaco"
 
 
 def scaled_mark(variant: tuple, arch: str) -> str:
@@ -127,8 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     mxfp4.PRMT_OK = tl.constexpr(False)  # what a ROCm torch sets: the PTX byte permute does not exist there
     todo = sorted(variants(tuple(args.schemes)))
-    jobs = [(f"{arch} {' '.join(map(str, v))}{scaled_mark(v, arch)}: hsaco", lambda v=v, arch=arch: compile_hip(*v, arch))
-            for arch in args.arch for v in todo]
+    jobs = [(label(v, arch), lambda v=v, arch=arch: compile_hip(*v, arch)) for arch in args.arch for v in todo]
     return 1 if compile_all.run_builds(jobs, f"variants built for {', '.join(args.arch)}") else 0
 
 

@@ -92,11 +92,12 @@ def signature(kernel: str, scheme: str, tma: tuple[int, int, int, int] | None = 
 
 def constexprs(kernel: str, scheme: str, block_m: int, block_n: int, block_k: int, top_k: int,
                separate: bool = True, scaled: bool = False, pairs_hidden: int = 0, pdl: bool = False,
-               tma: bool = False) -> dict:
+               tma: bool = False, split: int = 1, phase: int = 0) -> dict:
     """The launchers' compile-time switches for a local-output call (GEMM2: the separate combine's, or with
     separate=False the counter combine's of a three-launch call); scaled: a8w4 through tl.dot_scaled;
     pairs_hidden > 0: a pair-block call (T = 1, no routing launch, kernels/routing.py) of that H; pdl:
-    with programmatic dependent launch (kernels/common.py); tma: bf16 / fp8 tiles through TMA descriptors."""
+    with programmatic dependent launch (kernels/common.py); tma: bf16 / fp8 tiles through TMA descriptors;
+    split > 1: a split-K launch (GEMM1's phase 1 computes the slices, phase 2 adds them; GEMM2 in one launch)."""
     common = dict(FP8=scheme in ("fp8", "a8w4"), W4=scheme in ("a16w4", "a8w4"), BIG=False, HAS_BIAS=True,
                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
                   IGROUP=Scheme(scheme).inter_group, INTERP=False, SCALED=scaled and scheme == "a8w4")
@@ -104,10 +105,11 @@ def constexprs(kernel: str, scheme: str, block_m: int, block_n: int, block_k: in
         pairs = dict(PAIRS=True, KP2=triton.next_power_of_2(top_k), HG=triton.next_power_of_2(-(-pairs_hidden // 128))) \
             if pairs_hidden else dict(PAIRS=False, KP2=1, HG=1)
         # the unit strides Triton's launcher specializes: x_scale is row-major, GEMM2's input scales group-major
-        return {**common, "stride_xs_k": 1, "stride_os": 1, "OAI": True, "CLAMP": False, "SPLIT": 1, "PHASE": 0,
+        return {**common, "stride_xs_k": 1, "stride_os": 1, "OAI": True, "CLAMP": False, "SPLIT": split, "PHASE": phase,
                 **pairs, "PDL_WAIT": pdl and not pairs_hidden, "PDL_RELEASE": pdl, "TMA_W": tma}
     return {**common, "stride_as": 1, "TOPK": top_k, "KP2": triton.next_power_of_2(top_k), "REMOTE": False,
-            "SEPARATE": separate, "SPLIT": 1, "PAIRS": pairs_hidden > 0, "PDL": pdl, "TMA_A": tma and not pairs_hidden,
+            "SEPARATE": separate, "SPLIT": split, "PAIRS": pairs_hidden > 0, "PDL": pdl,
+            "TMA_A": tma and not pairs_hidden,
             "TMA_W": tma}
 
 

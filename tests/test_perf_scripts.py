@@ -207,12 +207,20 @@ def test_every_table_variant_builds_for_amd():
     # a8w4 at 128-k steps on gfx950 runs tl.dot_scaled, and the build checked it became the scaled MFMA
     scaled = [line.split() for line in built if " scaled: " in line]
     assert scaled and all(f[0] == "gfx950" and f[2] == "a8w4" and int(f[5]) >= 128 for f in scaled)
-    # the served presets' GEMM2 as their heuristic picks launch it: top-k 9 (GLM-5.2) and 6 (V4.1), both
-    # combines (fields: arch kernel scheme bm bn bk warps stages top_k separate)
-    served = {(f[0], f[8], f[9]) for f in (line.split() for line in built) if f[1] == "gemm2"}
+    # fields before the colon: arch kernel scheme bm bn bk warps stages top_k separate pairs_hidden [split S phase P]
+    fields = [line.split(":")[0].split() for line in built]
+    # the served presets' GEMM2 as their heuristic picks launch it: top-k 9 (GLM-5.2) and 6 (V4.1), both combines
+    served = {(f[0], f[8], f[9]) for f in fields if f[1] == "gemm2"}
     assert {(a, k, sep) for a in ("gfx942", "gfx950") for k in ("9", "6") for sep in ("True", "False")} <= served
-    # T = 1's pair blocks (last field: H) for every scheme, both GEMMs, at each served top-k and gpt-oss's H 2880
-    pairs = {(f[0], f[1], f[2], f[8], f[10].rstrip(":")) for f in (line.split() for line in built) if f[10] != "0:"}
+    # split-K launches: GEMM1's two phases and GEMM2's counter-combine launch (gpt-oss's a8w4 rows split both),
+    # and a8w4's T = 1 heuristic pick for GLM-5.2-TP8 (36 GEMM1 programs: split 2) with pair blocks
+    splits = {(f[0], f[1], f[2], f[10], f[12], f[14]) for f in fields if "split" in f}
+    for arch in ("gfx942", "gfx950"):
+        assert {(arch, "gemm1", "a8w4", "0", "2", "1"), (arch, "gemm1", "a8w4", "0", "2", "2")} <= splits
+        assert any(s[:3] == (arch, "gemm2", "a8w4") for s in splits)
+        assert {(arch, "gemm1", "a8w4", "6144", "2", "1"), (arch, "gemm1", "a8w4", "6144", "2", "2")} <= splits
+    # T = 1's pair blocks (field 10: H) for every scheme, both GEMMs, at each served top-k and gpt-oss's H 2880
+    pairs = {(f[0], f[1], f[2], f[8], f[10]) for f in fields if f[10] != "0"}
     assert {(a, g, s, "9", "6144") for a in ("gfx942", "gfx950") for g in ("gemm1", "gemm2")
             for s in ("bf16", "fp8", "a16w4", "a8w4")} <= pairs
     assert {(a, g, s, "4", "2880") for a in ("gfx942", "gfx950") for g in ("gemm1", "gemm2")
