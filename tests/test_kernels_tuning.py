@@ -101,8 +101,8 @@ def test_a8w4_heuristic_steps_gemm1_by_128_and_splits_it_at_one_token_where_prog
     for cfg in one.values():
         cfg.check("a8w4")
     # H of one 128-k step has nothing to split: the 64-k step, unsplit
-    assert (tuning.heuristic("a8w4", 128, 64, 8, 2, 1).split_k1, tuning.heuristic("a8w4", 128, 64, 8, 2, 1).block_k1) \
-        == (1, 64)
+    narrow = tuning.heuristic("a8w4", 128, 64, 8, 2, 1)
+    assert (narrow.block_k1, narrow.split_k1) == (64, 1)
     assert tuning.heuristic("fp8", 6144, 256, 257, 9, 1).split_k1 == 1  # the rule is a8w4's alone
 
 
