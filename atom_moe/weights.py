@@ -7,7 +7,7 @@ Prepared weight formats by scheme (E_l = local experts, tags from atom_moe.layou
 | bf16        | bf16 [E_l, 2I, H]           | None                                | bf16 [E_l, H, I]   | None                   |
 | fp8         | e4m3 [E_l, 2I, H]           | fp32 [E_l, ceil(I/128), 2, ceil(H/128)] (BLOCK_SCALE) | e4m3 [E_l, H, I] | fp32 [E_l, ceil(H/128), ceil(I/128)] |
 | a16w4       | uint8 MX tiles [E_l, ceil(2I/16), ceil(H/64), 512] (MX_TILES) | uint8 [E_l, ceil(2I/16), ceil(H/64), 32] (MX_TILES) | uint8 [E_l, ceil(H/16), ceil(I/64), 512] | uint8 [E_l, ceil(H/16), ceil(I/64), 32] |
-| a8w4        | the same shapes as MX quads (MX_QUADS)   | residual bytes uint8 [E_l, ceil(2I/16), ceil(H/128), 64] (MX_QUADS) | MX quads | residual bytes uint8 [E_l, ceil(H/16), ceil(I/128), 64] |
+| a8w4        | the same shapes as MX quads (MX_QUADS)   | residual bytes, same shape (MX_QUADS) | MX quads           | residual bytes         |
 
 a16w4 weights are stored only as MX tiles (atom_moe.layouts.mx_tiles: e2m1 codes and e8m0 scales
 repacked for the kernels' mma fragments, N padded to 16 and K to 64 with zero codes and
@@ -249,8 +249,7 @@ def prepared_shapes(spec: MoESpec) -> dict[str, tuple[tuple[int, ...], torch.dty
         out |= {"w13": ((El, 2 * I, H), formats.FP8_DTYPE), "w13_scale": ((El, nb_i, 2, nb_h), torch.float32),
                 "w2": ((El, H, I), formats.FP8_DTYPE), "w2_scale": ((El, nb_h, nb_i), torch.float32)}
     else:  # MXFP4 as MX tiles (a16w4) or quads (a8w4), padded to 16 rows x 64 k
-        layout = mx_quads if spec.scheme is Scheme.A8W4 else mx_tiles
-        (v13, s13), (v2, s2) = layout.tiled_shapes(2 * I, H), layout.tiled_shapes(H, I)
+        (v13, s13), (v2, s2) = mx_tiles.tiled_shapes(2 * I, H), mx_tiles.tiled_shapes(H, I)
         out |= {"w13": ((El, *v13), torch.uint8), "w13_scale": ((El, *s13), torch.uint8),
                 "w2": ((El, *v2), torch.uint8), "w2_scale": ((El, *s2), torch.uint8)}
         if spec.scheme is Scheme.A8W4:
@@ -330,7 +329,7 @@ class _MxStack:
     quads with their row exponents (quads, for a8w4)."""
 
     def __init__(self, name: str, count: int, n: int, k: int, device: torch.device, quads: bool = False) -> None:
-        (vs, ss) = (mx_quads if quads else mx_tiles).tiled_shapes(n, k)
+        (vs, ss) = mx_tiles.tiled_shapes(n, k)
         self.name, self.n, self.k, self.quads = name, n, k, quads
         self.values = torch.empty(count, *vs, dtype=torch.uint8, device=device)
         self.scales = torch.empty(count, *ss, dtype=torch.uint8, device=device)

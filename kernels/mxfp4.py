@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_moe.layouts import mx_quads, mx_tiles
+from atom_moe.layouts import mx_tiles
 
 from .common import cast, dot, interpreting
 
@@ -71,14 +71,12 @@ assert mx_tiles.PIECES == (((0, mx_tiles.MASK),), ((6, mx_tiles.MASK),), ((12, m
 def tile_offsets(expert64, pid_n, row_blocks, k_blocks, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  QUADS: tl.constexpr = False, SCALED: tl.constexpr = False):
     """(word offsets [NB, KB, 32, 4], scale offsets, row-block ok [NB], kb [KB]) of the tile at column
-    tile pid_n, K step 0; advance the words by KB * 128 and the scales by `scale_step(BLOCK_K, QUADS)` per K step.
+    tile pid_n, K step 0; advance by KB * 128 words and `scale_step(BLOCK_K, QUADS)` per K step.
 
-    Scale offsets: MX tiles, int32 words [NB, KB, 8] (one per row pair). MX quads (QUADS), the
-    residual bytes each lane needs for its 4 words (a per-lane load keeps the table math in the words'
-    own layout, so the decoded tile needs no shared-memory restage), at k = 0 (`load_tile` adds
-    `pair_offset`): [NB, 32, 8] for a 128-k step (one 8-byte load per lane and row block, the two
-    blocks' bytes side by side), else [NB, KB, 32, 4]; with SCALED, in plain order [BLOCK_N, BLOCK_K / 32]
-    (row, 32-k block)."""
+    Scale offsets: MX tiles, int32 words [NB, KB, 8] (one per row pair); MX quads (QUADS), the
+    residual bytes [NB, KB, 32, 4] each lane needs for its 4 words (a per-lane load keeps the
+    table math in the words' own layout, so the decoded tile needs no shared-memory restage);
+    with SCALED, the residual bytes in plain order [BLOCK_N, BLOCK_K / 32] (row, 32-k block)."""
     NB: tl.constexpr = BLOCK_N // 16
     KB: tl.constexpr = BLOCK_K // 64
     nb = pid_n * NB + tl.arange(0, NB)
@@ -86,18 +84,13 @@ def tile_offsets(expert64, pid_n, row_blocks, k_blocks, BLOCK_N: tl.constexpr, B
     blk = (expert64 * row_blocks + nb)[:, None] * k_blocks + kb[None, :]
     lane_j = tl.arange(0, 32)[:, None] * 4 + tl.arange(0, 4)[None, :]
     w_off = blk[:, :, None, None] * 128 + lane_j[None, None, :, :]
-    # MX quads' residuals: 64 bytes per row block and pair of K blocks, byte g * 8 + t * 4 + j (mx_quads.py)
-    pairs = (expert64 * row_blocks + nb) * ((k_blocks + 1) // 2) * 64  # [NB] each row block's first pair
-    if QUADS and SCALED:  # row r = 16 nb + 8 h + g, block c = 2 kb + s: byte g * 8 + t * 4 + 2 s + h of pair kb // 2
+    if QUADS and SCALED:  # row r = 16 nb + 8 h + g, block c = 2 kb + s: byte g * 4 + 2 s + h of block (nb, kb)
         r = tl.arange(0, BLOCK_N)[:, None]
         c = tl.arange(0, BLOCK_K // 32)[None, :]
-        s_off = ((expert64 * row_blocks + pid_n * NB + r // 16) * ((k_blocks + 1) // 2) + c // 4) * 64 \
-            + (r % 8) * 8 + (c // 2 % 2) * 4 + (c % 2) * 2 + (r // 8) % 2
-    elif QUADS and KB == 2:
-        s_off = pairs[:, None, None] + (tl.arange(0, 32) // 4 * 8)[None, :, None] + tl.arange(0, 8)[None, None, :]
+        s_off = ((expert64 * row_blocks + pid_n * NB + r // 16) * k_blocks + c // 2) * 32 \
+            + (r % 8) * 4 + (c % 2) * 2 + (r // 8) % 2
     elif QUADS:
-        s_off = pairs[:, None, None, None] + (kb // 2 * 64 + kb % 2 * 4)[None, :, None, None] \
-            + (lane_j // 16 * 8 + lane_j % 4)[None, None, :, :]
+        s_off = blk[:, :, None, None] * 32 + lane_j[None, None, :, :] // 16 * 4 + tl.arange(0, 4)[None, None, None, :]
     else:
         s_off = blk[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
     return w_off, s_off, nb < row_blocks, kb
@@ -105,43 +98,23 @@ def tile_offsets(expert64, pid_n, row_blocks, k_blocks, BLOCK_N: tl.constexpr, B
 
 @triton.jit
 def scale_step(BLOCK_K: tl.constexpr, QUADS: tl.constexpr):
-    """How far the scale offsets advance per K step: int32 words for MX tiles; 0 for MX quads, whose
-    residual offsets `load_tile` moves from k0 (recomputed per step, the compiler sees their alignment)."""
+    """How far the scale offsets advance per K step (int32 words, or residual bytes for QUADS)."""
     if QUADS:
-        return 0
+        return (BLOCK_K // 64) * 32
     else:
         return (BLOCK_K // 64) * 8
 
 
 @triton.jit
-def pair_offset(k0, BLOCK_K: tl.constexpr):
-    """MX quads' residual bytes of the K step at k0 past those of k = 0: a pair of K blocks per 64 bytes, and a
-    64-k step may start its second half (4 bytes further)."""
-    if BLOCK_K % 128 == 0:
-        return (k0 // 128) * 64
-    else:
-        return (k0 // 128) * 64 + ((k0 >> 6) & 1) * 4
-
-
-@triton.jit
-def load_tile(w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks, QUADS: tl.constexpr = False):
+def load_tile(w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks):
     """One K step's int32 value words and its scale words (MX tiles) or residual bytes (MX quads, per
-    lane as [NB, KB, 32, 4] or, for SCALED, in plain order); zeros past N or K."""
-    if QUADS:
-        s_off += pair_offset(k0, 64 * kb.shape[0])
+    lane or, for SCALED, in plain order); zeros past N or K."""
     kb_ok = (k0 // 64 + kb) < k_blocks
     ok = nb_ok[:, None] & kb_ok[None, :]
     words = tl.load(w_ptr + w_off, mask=ok[:, :, None, None], other=0)
-    if QUADS and len(s_off.shape) == 3:  # [NB, 32, 8]: one 8-byte load per lane and row block. Masked by row
-        # block and step only (a mask that varies along the 8 bytes would split the load): a pair's missing
-        # second block is zeros in memory, and its value words are masked
-        NB: tl.constexpr = ok.shape[0]
-        step_ok = (tl.zeros([NB], tl.int32) + k0 // 64) < k_blocks
-        sw = tl.load(s_ptr + s_off, mask=(nb_ok & step_ok)[:, None, None], other=0)
-        swords = tl.permute(tl.reshape(sw, (NB, 32, 2, 4)), (0, 2, 1, 3))
-    elif QUADS and len(s_off.shape) == 4:  # [NB, KB, 32, 4]
+    if len(s_off.shape) == 4:  # MX quads: residual bytes per lane
         swords = tl.load(s_ptr + s_off, mask=ok[:, :, None, None], other=0)
-    elif QUADS:  # for tl.dot_scaled: [BLOCK_N, BLOCK_K / 32]
+    elif len(s_off.shape) == 2:  # MX quads for tl.dot_scaled: [BLOCK_N, BLOCK_K / 32]
         NB: tl.constexpr = ok.shape[0]
         KB: tl.constexpr = ok.shape[1]
         ok = tl.reshape(tl.broadcast_to(ok[:, None, :, None], (NB, 16, KB, 2)), (NB * 16, KB * 2))
@@ -339,7 +312,7 @@ def swap_step(acc, a, a_s, w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks, 
     MX tiles, or (FP8) e4m3 against MX quads, with per-token scales a_s applied to the step's fp8
     product (BIG: MX tiles' scales above 128; for MX quads it is FLUSH); SCALED: MX quads through
     tl.dot_scaled."""
-    words, swords = load_tile(w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks, FP8)
+    words, swords = load_tile(w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks)
     if FP8 and SCALED:
         codes = tile_e2m1(words, swords, BLOCK_N, BLOCK_K, BIG)
         if INTERP:
@@ -363,8 +336,7 @@ def _dequant_kernel(w_ptr, s_ptr, out_ptr, n_rows, k, row_blocks, k_blocks, BIG:
     pid_n = tl.program_id(0)
     k0 = tl.program_id(1) * BLOCK_K
     w_off, s_off, nb_ok, kb = tile_offsets(tl.program_id(2).to(tl.int64), pid_n, row_blocks, k_blocks, BLOCK_N, BLOCK_K)
-    words, swords = load_tile(w_ptr, s_ptr, w_off + (k0 // 64) * 128, s_off + (k0 // 64) * 8, nb_ok,
-                              kb, k0, k_blocks)
+    words, swords = load_tile(w_ptr, s_ptr, w_off + (k0 // 64) * 128, s_off + (k0 // 64) * 8, nb_ok, kb, k0, k_blocks)
     w = tile_bf16(words, swords, BLOCK_N, BLOCK_K, BIG, INTERP)
     if INTERP:  # bf16 -> fp32 by bits: the interpreter's conversion flushes subnormals
         full = (w.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
@@ -387,9 +359,9 @@ def launch_args(gemm: str, name: str, values: torch.Tensor, scales: torch.Tensor
     residual bytes, row blocks, k blocks)."""
     if values.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"{gemm}: MX tiles {name} and their scales must be uint8, got {values.dtype}, {scales.dtype}")
-    want_v, want_s = (mx_quads if quads else mx_tiles).tiled_shapes(n, k)
+    want_v, want_s = mx_tiles.tiled_shapes(n, k)
     if tuple(values.shape[1:]) != want_v or tuple(scales.shape[1:]) != want_s:
-        raise ValueError(f"{gemm}: MX {'quads' if quads else 'tiles'} {name} {tuple(values.shape)} / scales {tuple(scales.shape)} do not fit "
+        raise ValueError(f"{gemm}: MX tiles {name} {tuple(values.shape)} / scales {tuple(scales.shape)} do not fit "
                          f"an [{n}, {k}] weight: expected [E, {', '.join(map(str, want_v))}] / "
                          f"[E, {', '.join(map(str, want_s))}]")
     if block_n % mx_tiles.ROWS or block_k % mx_tiles.KS:
@@ -408,13 +380,12 @@ def rowexp_arg(gemm: str, name: str, rowexp: torch.Tensor | None, experts: int, 
     return rowexp
 
 
-def _dequant_args(quads: bool, values: torch.Tensor, scales: torch.Tensor, n: int, k: int, block_n: int,
+def _dequant_args(layout: str, values: torch.Tensor, scales: torch.Tensor, n: int, k: int, block_n: int,
                   block_k: int) -> tuple[tuple[int, ...], int]:
-    """Check a dequantize call's inputs (MX tiles, or MX quads); (leading dims, their product)."""
-    layout = "MX quads" if quads else "MX tiles"
+    """Check a dequantize call's inputs; (leading dims, their product)."""
     if values.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"{layout} and their scales must be uint8, got {values.dtype}, {scales.dtype}")
-    want_v, want_s = (mx_quads if quads else mx_tiles).tiled_shapes(n, k)
+    want_v, want_s = mx_tiles.tiled_shapes(n, k)
     lead = tuple(values.shape[:-3])
     if tuple(values.shape[-3:]) != want_v or tuple(scales.shape) != (*lead, *want_s):
         raise ValueError(f"{layout} {tuple(values.shape)} / scales {tuple(scales.shape)} do not fit [{n}, {k}]: "
@@ -432,7 +403,7 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor, n: int, k: int, *, bi
     big: the scales-above-128 path (default: on iff any scale byte is above 128).
     """
     want_v = mx_tiles.tiled_shapes(n, k)[0]
-    lead, experts = _dequant_args(False, values, scales, n, k, block_n, block_k)
+    lead, experts = _dequant_args("MX tiles", values, scales, n, k, block_n, block_k)
     if big is None:
         big = bool((scales > 128).any())
     out = torch.empty(*lead, n, k, dtype=torch.float32, device=values.device)
@@ -449,8 +420,7 @@ def _dequant_quads_kernel(w_ptr, r_ptr, rowexp_ptr, out_ptr, n_rows, k, row_bloc
     k0 = tl.program_id(1) * BLOCK_K
     e64 = tl.program_id(2).to(tl.int64)
     w_off, r_off, nb_ok, kb = tile_offsets(e64, pid_n, row_blocks, k_blocks, BLOCK_N, BLOCK_K, True)
-    words, resid = load_tile(w_ptr, r_ptr, w_off + (k0 // 64) * 128, r_off, nb_ok,
-                             kb, k0, k_blocks, True)
+    words, resid = load_tile(w_ptr, r_ptr, w_off + (k0 // 64) * 128, r_off + (k0 // 64) * 32, nb_ok, kb, k0, k_blocks)
     w = tile_e4m3(words, resid, BLOCK_N, BLOCK_K, FLUSH, PRMT).to(tl.float32)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = k0 + tl.arange(0, BLOCK_K)
@@ -463,7 +433,7 @@ def dequantize_quads(values: torch.Tensor, residuals: torch.Tensor, rowexp: torc
                      flush: bool = True, block_n: int = 32, block_k: int = 128) -> torch.Tensor:
     """fp32 [..., n, k] from MX quads through the a8w4 decoder (tests: equal to the twin's weights)."""
     want_v = mx_tiles.tiled_shapes(n, k)[0]
-    lead, experts = _dequant_args(True, values, residuals, n, k, block_n, block_k)
+    lead, experts = _dequant_args("MX quads", values, residuals, n, k, block_n, block_k)
     if rowexp.dtype != torch.uint8 or tuple(rowexp.shape) != (*lead, n):
         raise ValueError(f"MX quads' rowexp must be uint8 [..., {n}] matching the values' leading dims {lead}, "
                          f"got {rowexp.dtype} {tuple(rowexp.shape)}")

@@ -4,7 +4,6 @@ exponents and flushing, the kernels' decoder (bit-exact), MX quads in PreparedWe
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import warnings
 
 import pytest
@@ -53,25 +52,25 @@ def independent_rowexp(packed: torch.Tensor, scales: torch.Tensor) -> list[int]:
 
 
 def want_residuals(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Residual bytes [..., N/16, ceil(K/128), 64] placed by the docstring: byte g * 8 + t * 4 + j (j = 2s + h) of
-    pair (nb, p) is row nb * 16 + g + 8h, k32 slab 2 (2p + t) + s; (s - base + 12) mod 256, 0 in padding."""
+    """Residual bytes [..., N/16, K/64, 32] placed by the docstring: byte g * 4 + j (j = 2s + h) of block
+    (nb, kb) is row nb * 16 + g + 8h, k32 slab 2kb + s; (s - base + 12) mod 256, 0 in padding."""
     *lead, n, kh = packed.shape
     k = 2 * kh
     n_pad, k_pad = mx_tiles.padded(n, k)
-    pairs = -(-k_pad // 128)
     p2, s2 = packed.reshape(-1, n, kh), scales.reshape(-1, n, k // 32)
-    out = torch.zeros(p2.shape[0], n_pad // 16, pairs, 64, dtype=torch.uint8)
+    out = torch.zeros(p2.shape[0], n_pad // 16, k_pad // 64, 32, dtype=torch.uint8)
     for e in range(p2.shape[0]):
         base = independent_rowexp(p2[e], s2[e])
         sc = s2[e].tolist()
         for nb in range(n_pad // 16):
-            for p in range(pairs):
-                for g, t, j in itertools.product(range(8), range(2), range(4)):
-                    s, h = divmod(j, 2)
-                    row, slab = nb * 16 + g + 8 * h, 2 * (2 * p + t) + s
-                    if row < n and slab < k // 32:
-                        out[e, nb, p, g * 8 + t * 4 + j] = (sc[row][slab] - base[row] + 12) % 256
-    return out.reshape(*lead, n_pad // 16, pairs, 64)
+            for kb in range(k_pad // 64):
+                for g in range(8):
+                    for j in range(4):
+                        s, h = divmod(j, 2)
+                        row, slab = nb * 16 + g + 8 * h, 2 * kb + s
+                        if row < n and slab < k // 32:
+                            out[e, nb, kb, g * 4 + j] = (sc[row][slab] - base[row] + 12) % 256
+    return out.reshape(*lead, n_pad // 16, k_pad // 64, 32)
 
 
 # ---------------------------------------------------------------- tile / untile
@@ -84,7 +83,7 @@ SHAPES = [((), 40, 96), ((3,), 40, 96), ((2, 3), 80, 160), ((2,), 16, 64), ((1,)
 def test_round_trip_bit_exact(seed, lead, n, k):
     packed, scales = rand_u8(*lead, n, k // 2), rand_u8(*lead, n, k // 32)
     values, residuals, rowexp, flushed = mx_quads.tile(packed, scales)
-    want_v, want_s = mx_quads.tiled_shapes(n, k)
+    want_v, want_s = mx_tiles.tiled_shapes(n, k)
     assert values.dtype == residuals.dtype == rowexp.dtype == torch.uint8
     assert values.shape == (*lead, *want_v) and residuals.shape == (*lead, *want_s) and rowexp.shape == (*lead, n)
     assert values.is_contiguous() and residuals.is_contiguous()
@@ -401,7 +400,7 @@ def test_prepare_mxfp4_local_builds_mx_quads(seed, H, I, rank, world):
     p.check(spec)
     assert p.mx_flush is False
     assert p.mx_scale_max == 201 == max(max(int(e[1].max()), int(e[3].max())) for e in ex)
-    (v13, s13), (v2, s2) = mx_quads.tiled_shapes(2 * I, H), mx_quads.tiled_shapes(H, I)
+    (v13, s13), (v2, s2) = mx_tiles.tiled_shapes(2 * I, H), mx_tiles.tiled_shapes(H, I)
     assert p.w13.kind is QUADS and p.w13.layout is INT and p.w13.data.shape == (El, *v13)
     assert p.w13_scale.kind is QUADS and p.w13_scale.layout is INT and p.w13_scale.data.shape == (El, *s13)
     assert p.w2.shape == (El, *v2) and p.w2_scale.shape == (El, *s2)

@@ -17,13 +17,8 @@ MXFP4 (e2m1 uint8 [..., N, K/2], LOW nibble = even k; e8m0 [..., N, K/32]):
 - The lookup table is the block's scale folded into e4m3: code magnitude c -> e4m3 bits of
   value(c) * 2^(s - base + 6), where base is the row's exponent (`rowexp`, below). With the
   residual byte d = s - base + 12 in [1, 12] the 8 table bytes are two integer multiply-adds
-  of d, and every value is exact in e4m3. residuals: uint8 [..., N/16, ceil(K/128), 64], the
-  bytes of two consecutive 16 x 64 blocks (t = 0, 1) side by side per lane: byte g * 8 + t * 4 + j
-  = (s - base[row] + 12) mod 256 for lane word (g, j) of block 2p + t (0 in padding, and in the
-  missing second block where K/64 is odd). So a 128-k step loads a lane's 8 bytes with one 8-byte
-  cp.async, and a 64-k step its 4: one 4-byte load per row block per step instead of one per
-  block (sm_90a, GEMM1 16 x 128 x 128: 7 cp.async per step instead of 9, 313 SASS instructions
-  instead of 335; 32 x 128 x 128: 164 registers instead of 208; `scripts/kernel_sass.py`).
+  of d, and every value is exact in e4m3. residuals: uint8 [..., N/16, K/64, 32], byte
+  g * 4 + j = (s - base[row] + 12) mod 256 (0 in padding).
 - rowexp: uint8 [..., N]: per row, the largest e8m0 byte over its blocks that hold a nonzero
   code (255 if any block's scale is the e8m0 NaN byte; 127 for a row of zeros). The kernels
   multiply each output row by 2^(base - 133) after the K loop.
@@ -39,18 +34,11 @@ from __future__ import annotations
 
 import torch
 
-from .mx_tiles import BLOCK_BYTES, SCALE_BYTES, _codes, bytes_word, packed_bytes, padded, padded_codes, word_bytes
-from .mx_tiles import tiled_shapes as mx_tiles_shapes
+from .mx_tiles import (BLOCK_BYTES, SCALE_BYTES, _codes, bytes_word, packed_bytes, padded, padded_codes, tiled_shapes,
+                       word_bytes)
 
 RESIDUAL_BIAS = 12  # d = s - base + 12; d in [1, 12] decodes exactly
 E8M0_NAN = 255
-PAIR_BYTES = 2 * SCALE_BYTES  # residual bytes of two consecutive blocks: one per (lane word, block)
-
-
-def tiled_shapes(n: int, k: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    """Per-expert shapes of (values, residuals) for an [n, k] weight."""
-    want_v, _ = mx_tiles_shapes(n, k)
-    return want_v, (want_v[0], -(-want_v[1] // 2), PAIR_BYTES)
 
 
 def _nonzero_blocks(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -109,12 +97,11 @@ def tile(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torc
 
     nonzero = _nonzero_blocks(packed, scales)
     base = _row_exponents(scales, nonzero)
-    pairs = -(-k_pad // 128)
-    d = torch.zeros(*lead, n_pad, pairs * 4, dtype=torch.int32, device=packed.device)
+    d = torch.zeros(*lead, n_pad, k_pad // 32, dtype=torch.int32, device=packed.device)
     d[..., :n, : k // 32] = (scales.to(torch.int32) - base.unsqueeze(-1) + RESIDUAL_BIAS) % 256
-    d = d.reshape(*lead, n_pad // 16, 2, 8, pairs, 2, 2)  # nb h g p t s
-    d = d.permute(*range(nd), nd, nd + 3, nd + 2, nd + 4, nd + 5, nd + 1)  # nb p g t s h: byte g*8 + t*4 + 2s + h
-    residuals = d.reshape(*lead, n_pad // 16, pairs, PAIR_BYTES).to(torch.uint8)
+    d = d.reshape(*lead, n_pad // 16, 2, 8, k_pad // 64, 2)  # nb h g kb s
+    d = d.permute(*range(nd), nd, nd + 3, nd + 2, nd + 4, nd + 1)  # nb kb g s h: byte g*4 + 2s + h
+    residuals = d.reshape(*lead, n_pad // 16, k_pad // 64, SCALE_BYTES).to(torch.uint8)
     flushed = int(_flushed(scales, nonzero, base).sum())
     return values.contiguous(), residuals.contiguous(), base.to(torch.uint8), flushed
 
@@ -142,8 +129,8 @@ def untile(values: torch.Tensor, residuals: torch.Tensor, rowexp: torch.Tensor, 
     c = c.reshape(*lead, n_pad // 16, k_pad // 64, 8, 4, 2, 2, 2, 4)  # nb kb g q s h t i
     c = c.permute(*range(nd), nd, nd + 5, nd + 2, nd + 1, nd + 4, nd + 6, nd + 3, nd + 7)  # nb h g kb s t q i
     packed = packed_bytes(c.reshape(*lead, n_pad, k_pad), n, k)
-    d = residuals.reshape(*lead, n_pad // 16, want_s[1], 8, 2, 2, 2)  # nb p g t s h
-    d = d.permute(*range(nd), nd, nd + 5, nd + 2, nd + 1, nd + 3, nd + 4).reshape(*lead, n_pad, want_s[1] * 4)
+    d = residuals.reshape(*lead, n_pad // 16, k_pad // 64, 8, 2, 2)  # nb kb g s h
+    d = d.permute(*range(nd), nd, nd + 4, nd + 2, nd + 1, nd + 3).reshape(*lead, n_pad, k_pad // 32)
     d = d[..., :n, : k // 32].to(torch.int32)
     scales = (d + rowexp.to(torch.int32).unsqueeze(-1) - RESIDUAL_BIAS) % 256
     return packed, scales.to(torch.uint8).contiguous()
