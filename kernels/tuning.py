@@ -100,6 +100,8 @@ MAX_SPLIT_K = 8  # kernels/common.py's bound (no triton import here)
 SPLIT_MAX_PAIRS = 128  # kernels/common.py's: split-K only for decode batches
 MIN_BLOCK_M = 16
 A8W4_SPLIT_BELOW_PROGRAMS = 128  # a8w4 at T = 1: split GEMM1's K below this many programs
+A8W4_ROWS_16 = 8  # a8w4 from T = 2: 16-row tiles up to this many rows per expert, 32-row ones above
+A8W4_ROWS_64 = 32  # ... and 64-row ones from this many on
 MIN_BLOCK_N2 = 32
 
 _tables: dict[tuple[str, ...], list[list[dict]]] = {}
@@ -171,9 +173,16 @@ def heuristic(scheme: str, hidden: int, inter: int, num_experts: int, top_k: int
             if top_k * -(-2 * inter // 128) < A8W4_SPLIT_BELOW_PROGRAMS and hidden > 128:  # two K steps at least
                 return TileConfig(16, 128, 128, 4, 4, 64, 64, 4, 4, split_k1=2)
             return TileConfig(16, 128, 64, 4, 4, 64, 64, 4, 4)
-        if bm <= 32:
-            return TileConfig(bm, 128, 128, 4, 4, 64, 64, 4, 4)
-        return TileConfig(64, 128, 128, 4, 3, 256, 64, 8, 3)
+        # BLOCK_M by its own thresholds, GEMM2 128 wide with 4 warps at 64 rows: on an H200 (2026-12-06, `atom-moe
+        # tune --configs`, eight served shapes x T = 1-8192, docs/perf/tune-h200-a8w4-2026-12-06.md) 32-row tiles
+        # won all five keys with 8 < rows < 32 (16 rows took 1.21-1.34x), 64 rows with that GEMM2 all 17 keys
+        # from 32 rows on (the 256-wide 8-warp GEMM2 took 1.06-1.10x, 32 rows 1.02-1.43x). At 8 rows 32 won
+        # twice (V4.1-Flash T = 512: 16 rows 1.08-1.13x) and lost once (Qwen3 T = 128: 1.17x); 16 below
+        if rows <= A8W4_ROWS_16:
+            return TileConfig(16, 128, 128, 4, 4, 64, 64, 4, 4)
+        if rows < A8W4_ROWS_64:
+            return TileConfig(32, 128, 128, 4, 4, 64, 64, 4, 4)
+        return TileConfig(64, 128, 128, 4, 3, 128, 64, 4, 3)
     if scheme in FP8_ACT:  # BLOCK_M 128 with a 256-wide fp32 tile spills: cap at 64
         # From 17 rows per expert on, 64-row tiles with 8 warps: on an H200 (2026-12-02) the 32-row
         # 4-warp tile ran 2.0-2.7x slower at 18-32 rows (GLM-5.2 T=512, DeepSeek-V4.1-Flash T=2048)

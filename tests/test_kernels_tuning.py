@@ -106,6 +106,23 @@ def test_a8w4_heuristic_steps_gemm1_by_128_and_splits_it_at_one_token_where_prog
     assert tuning.heuristic("fp8", 6144, 256, 257, 9, 1).split_k1 == 1  # the rule is a8w4's alone
 
 
+def test_a8w4_heuristic_block_m_follows_its_own_row_thresholds():
+    """The H200-measured rule (kernels/tuning.py, docs/perf/tune-h200-a8w4-2026-12-06.md), T >= 2: 16-row tiles up
+    to 8 rows per expert, 32-row ones below 32, then 64-row ones with GEMM2 128 wide on 4 warps."""
+    # (E, top_k, T) -> BLOCK_M; rows per expert T * top_k / E in the comments
+    want = {(256, 8, 2): 16, (256, 8, 128): 16,  # 0.06, 4
+            (384, 6, 512): 16,  # 8: the last 16-row case
+            (384, 8, 512): 32, (256, 8, 512): 32, (257, 9, 512): 32, (160, 8, 512): 32,  # 10.7, 16, 17.9, 25.6
+            (128, 8, 496): 32,  # 31
+            (128, 8, 512): 64, (384, 6, 2048): 64, (256, 8, 8192): 64}  # 32: the first 64-row case, 32, 256
+    for (E, k, T), bm in want.items():
+        cfg = tuning.heuristic("a8w4", 5120, 1536, E, k, T)
+        assert cfg.block_m == bm, (E, k, T, cfg)
+        assert (cfg.block_n1, cfg.block_k1, cfg.warps1, cfg.block_k2) == (128, 128, 4, 64), cfg
+        assert (cfg.block_n2, cfg.warps2, cfg.stages1, cfg.stages2) == ((128, 4, 3, 3) if bm == 64 else (64, 4, 4, 4))
+        cfg.check("a8w4")
+
+
 def test_bad_tables_and_dirs_are_named(tmp_path, monkeypatch):
     (tmp_path / "bad.csv").write_text("device,scheme\nx,bf16\n")
     monkeypatch.setenv("ATOM_MOE_CONFIG_DIR", str(tmp_path))
