@@ -177,7 +177,7 @@ def heuristic(scheme: str, hidden: int, inter: int, num_experts: int, top_k: int
         # tune --configs`, eight served shapes x T = 1-8192, docs/perf/tune-h200-a8w4-2026-12-06.md) 32-row tiles
         # won all five keys with 8 < rows < 32 (16 rows took 1.21-1.34x), 64 rows with that GEMM2 all 17 keys
         # from 32 rows on (the 256-wide 8-warp GEMM2 took 1.06-1.10x, 32 rows 1.02-1.43x). At 8 rows 32 won
-        # twice (V4.1-Flash T = 512: 16 rows 1.08-1.13x) and lost once (Qwen3 T = 128: 1.17x); 16 below
+        # twice (V4.1-Flash T = 512: 16 rows 1.08-1.13x) and lost once (Qwen3 T = 128: 1.17x): 8 rows keep 16
         if rows <= A8W4_ROWS_16:
             return TileConfig(16, 128, 128, 4, 4, 64, 64, 4, 4)
         if rows < A8W4_ROWS_64:
