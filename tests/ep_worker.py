@@ -26,7 +26,7 @@ from atom_moe.placement import ExpertPlacement
 from atom_moe.reference import ReferenceWeights, reference_moe
 from atom_moe.spec import MoESpec, SpecError
 from atom_moe.tools.synthetic import random_layer, random_tokens
-from atom_moe.weights import prepare_stacked
+from atom_moe.weights import PreparedWeights, prepare_stacked
 
 H, I, E, K, C = 160, 64, 8, 3, 12  # H=160: one full and one partial fp8 group, a multiple of 32 for MXFP4
 SCHEMES = ("bf16", "fp8", "a16w4", "a8w4")
@@ -72,12 +72,25 @@ def placement(kind: str, world: int) -> list[list[int]]:
     return [[e for e in range(E) if (e % (world + 1)) % world == r] for r in range(world)]
 
 
+def full_layer(spec_full: MoESpec, seed: int) -> PreparedWeights:
+    """The whole layer's PreparedWeights (all experts on one rank) of the random layer `make_layer` builds."""
+    raw = random_layer(spec_full, generator=torch.Generator().manual_seed(seed))
+    return prepare_stacked(spec_full, raw.w13, raw.w2, layout="separated")
+
+
 def make_layer(spec_full: MoESpec, spec_rank: MoESpec, seed: int):
     """(this rank's PreparedWeights, full-layer ReferenceWeights) of one random layer."""
     raw = random_layer(spec_full, generator=torch.Generator().manual_seed(seed))
     mine = prepare_stacked(spec_rank, raw.w13, raw.w2, layout="separated")
-    full = prepare_stacked(spec_full, raw.w13, raw.w2, layout="separated")
-    return mine, ReferenceWeights.from_prepared(full)
+    return mine, ReferenceWeights.from_prepared(full_layer(spec_full, seed))
+
+
+def on_wire(spec: MoESpec, x: torch.Tensor, wire: str) -> torch.Tensor:
+    """x as the experts see it (fp32 where the wire changed it): an fp8 wire quantizes it once, which bf16/a16w4
+    kernels take as is (fp8 activations are quantized the same way by the kernels themselves)."""
+    if wire == "fp8" and not spec.scheme.fp8_activations and x.shape[0]:
+        return dequantize_fp8_per_group(*quantize_fp8_per_group(x, 128), 128)
+    return x
 
 
 def reference(spec: MoESpec, ref, x, w, ids, wire: str) -> torch.Tensor:
@@ -85,9 +98,7 @@ def reference(spec: MoESpec, ref, x, w, ids, wire: str) -> torch.Tensor:
     if x.shape[0] == 0:  # (quantize_fp8_per_group rejects 0 rows, so the reference cannot run on none)
         return torch.zeros(0, spec.hidden_size, device=x.device)
     act_quant = spec.scheme if spec.scheme.fp8_activations else None
-    if wire == "fp8" and act_quant is None:  # the wire quantizes x once; bf16/a16w4 kernels use it as is
-        x = dequantize_fp8_per_group(*quantize_fp8_per_group(x, 128), 128)
-    return reference_moe(x, w, ids, ref, spec.activation, act_quant=act_quant)
+    return reference_moe(on_wire(spec, x, wire), w, ids, ref, spec.activation, act_quant=act_quant)
 
 
 def compare(checks: Checks, name: str, out: torch.Tensor, ref: torch.Tensor, x: torch.Tensor) -> None:

