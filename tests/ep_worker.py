@@ -82,7 +82,8 @@ def make_layer(spec_full: MoESpec, spec_rank: MoESpec, seed: int):
     """(this rank's PreparedWeights, full-layer ReferenceWeights) of one random layer."""
     raw = random_layer(spec_full, generator=torch.Generator().manual_seed(seed))
     mine = prepare_stacked(spec_rank, raw.w13, raw.w2, layout="separated")
-    return mine, ReferenceWeights.from_prepared(full_layer(spec_full, seed))
+    full = prepare_stacked(spec_full, raw.w13, raw.w2, layout="separated")
+    return mine, ReferenceWeights.from_prepared(full)
 
 
 def on_wire(spec: MoESpec, x: torch.Tensor, wire: str) -> torch.Tensor:
