@@ -36,16 +36,17 @@ def dequantize_w13(weights: PreparedWeights, local: int) -> torch.Tensor:
         return w13.float() * per_row.repeat_interleave(FP8_BLOCK, dim=1)[:, : w13.shape[1]]
     rowexp = None if weights.w13_rowexp is None else require(weights.w13_rowexp, GateUpLayout.INTERLEAVED,
                                                              "w13_rowexp")[local]
-    return _dequantize_mx(w13, scale, rowexp, 2 * weights.intermediate_size, weights.hidden_size)
+    return _dequantize_mx(w13, scale, rowexp, 2 * weights.intermediate_size, weights.hidden_size, paired=True)
 
 
-def _dequantize_mx(values: torch.Tensor, scale: torch.Tensor, rowexp: torch.Tensor | None, n: int, k: int
-                   ) -> torch.Tensor:
-    """fp32 [n, k] from one expert's MX tiles (a16w4), or MX quads (a8w4: with rowexp, flushed blocks
-    zeroed as the kernels do, atom_moe/layouts/mx_quads.py). Untiled per expert: rows come back INTERLEAVED."""
+def _dequantize_mx(values: torch.Tensor, scale: torch.Tensor, rowexp: torch.Tensor | None, n: int, k: int,
+                   paired: bool = False) -> torch.Tensor:
+    """fp32 [n, k] from one expert's MX tiles (a16w4), or MX quads (a8w4: with rowexp, residuals paired for
+    w13, flushed blocks zeroed as the kernels do, atom_moe/layouts/mx_quads.py). Untiled per expert: rows come
+    back INTERLEAVED."""
     if rowexp is None:
         return formats.dequantize_mxfp4(*mx_tiles.untile(values, scale, n, k))
-    packed, scales = mx_quads.untile(values, scale, rowexp, n, k)
+    packed, scales = mx_quads.untile(values, scale, rowexp, n, k, paired)
     return formats.dequantize_mxfp4(mx_quads.flush(packed, scales), scales)
 
 

@@ -7,7 +7,7 @@ Prepared weight formats by scheme (E_l = local experts, tags from atom_moe.layou
 | bf16        | bf16 [E_l, 2I, H]           | None                                | bf16 [E_l, H, I]   | None                   |
 | fp8         | e4m3 [E_l, 2I, H]           | fp32 [E_l, ceil(I/128), 2, ceil(H/128)] (BLOCK_SCALE) | e4m3 [E_l, H, I] | fp32 [E_l, ceil(H/128), ceil(I/128)] |
 | a16w4       | uint8 MX tiles [E_l, ceil(2I/16), ceil(H/64), 512] (MX_TILES) | uint8 [E_l, ceil(2I/16), ceil(H/64), 32] (MX_TILES) | uint8 [E_l, ceil(H/16), ceil(I/64), 512] | uint8 [E_l, ceil(H/16), ceil(I/64), 32] |
-| a8w4        | the same shapes as MX quads (MX_QUADS)   | residual bytes, same shape (MX_QUADS) | MX quads           | residual bytes         |
+| a8w4        | the same shapes as MX quads (MX_QUADS)   | paired residual bytes uint8 [E_l, ceil(2I/16), ceil(H/128), 64] (MX_QUADS) | MX quads | residual bytes, as a16w4's scales |
 
 a16w4 weights are stored only as MX tiles (atom_moe.layouts.mx_tiles: e2m1 codes and e8m0 scales
 repacked for the kernels' mma fragments, N padded to 16 and K to 64 with zero codes and
@@ -16,7 +16,7 @@ scale byte 0). w13's rows are tiled in INTERLEAVED order [g0, u0, g1, u1, ...].
 e8m0 [E_l, 2I, H/32], [E_l, H, I/2], [E_l, H, I/32]) for oracles and baselines; the plain
 copy is never kept. `mx_scale_max` records the largest e8m0 byte of both (0 for bf16/fp8).
 a8w4 stores MX quads instead (atom_moe.layouts.mx_quads: e4m3 mma word order, scales as residuals of a
-per-row exponent), with w13_rowexp uint8 [E_l, 2I] INTERLEAVED and w2_rowexp uint8 [E_l, H];
+per-row exponent; w13's residuals paired per 128 k for GEMM1's 128-k step, w2's in plain order), with w13_rowexp uint8 [E_l, 2I] INTERLEAVED and w2_rowexp uint8 [E_l, H];
 `mx_flush` says whether some block is flushed (more than 2^11 below its row's largest scale);
 preparation warns with the count when it is.
 
@@ -249,7 +249,10 @@ def prepared_shapes(spec: MoESpec) -> dict[str, tuple[tuple[int, ...], torch.dty
         out |= {"w13": ((El, 2 * I, H), formats.FP8_DTYPE), "w13_scale": ((El, nb_i, 2, nb_h), torch.float32),
                 "w2": ((El, H, I), formats.FP8_DTYPE), "w2_scale": ((El, nb_h, nb_i), torch.float32)}
     else:  # MXFP4 as MX tiles (a16w4) or quads (a8w4), padded to 16 rows x 64 k
-        (v13, s13), (v2, s2) = mx_tiles.tiled_shapes(2 * I, H), mx_tiles.tiled_shapes(H, I)
+        if spec.scheme is Scheme.A8W4:  # w13's residuals paired (atom_moe/layouts/mx_quads.py)
+            (v13, s13), (v2, s2) = mx_quads.tiled_shapes(2 * I, H, paired=True), mx_quads.tiled_shapes(H, I)
+        else:
+            (v13, s13), (v2, s2) = mx_tiles.tiled_shapes(2 * I, H), mx_tiles.tiled_shapes(H, I)
         out |= {"w13": ((El, *v13), torch.uint8), "w13_scale": ((El, *s13), torch.uint8),
                 "w2": ((El, *v2), torch.uint8), "w2_scale": ((El, *s2), torch.uint8)}
         if spec.scheme is Scheme.A8W4:
@@ -292,7 +295,7 @@ def plain_mxfp4(p: PreparedWeights, experts: slice | Sequence[int] | torch.Tenso
         if p.w13_rowexp is None or p.w2_rowexp is None:
             raise WeightError("plain_mxfp4: a8w4 MX quads need w13_rowexp and w2_rowexp")
         r13 = pick(require(p.w13_rowexp, GateUpLayout.INTERLEAVED, "w13_rowexp"))
-        q13, sc13 = _untile_experts(v13, s13, 2 * I, H, r13)
+        q13, sc13 = _untile_experts(v13, s13, 2 * I, H, r13, paired=True)
         q2, sc2 = _untile_experts(pick(p.w2), pick(p.w2_scale), H, I, pick(p.w2_rowexp))
     else:
         q13, sc13 = _untile_experts(v13, s13, 2 * I, H)
@@ -301,10 +304,10 @@ def plain_mxfp4(p: PreparedWeights, experts: slice | Sequence[int] | torch.Tenso
             q2, sc2)
 
 
-def _untile_experts(values: torch.Tensor, scales: torch.Tensor, n: int, k: int, rowexp: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Untile one expert (dim 0) at a time (MX tiles, or MX quads when rowexp is given): the int64
-    working set is ~16 bytes per code, too much for a whole layer at once."""
+def _untile_experts(values: torch.Tensor, scales: torch.Tensor, n: int, k: int, rowexp: torch.Tensor | None = None,
+                    paired: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Untile one expert (dim 0) at a time (MX tiles, or MX quads when rowexp is given, their residuals
+    paired or not): the int64 working set is ~16 bytes per code, too much for a whole layer at once."""
     if values.dim() != 4 or scales.dim() != 4 or values.shape[0] != scales.shape[0]:
         raise WeightError(f"MX tiles must be [E, N/16, K/64, bytes] with one scale tile per value tile, got "
                           f"{tuple(values.shape)} / {tuple(scales.shape)}")
@@ -314,7 +317,7 @@ def _untile_experts(values: torch.Tensor, scales: torch.Tensor, n: int, k: int, 
         if rowexp is None:
             packed[e], plain[e] = mx_tiles.untile(values[e], scales[e], n, k)
         else:
-            packed[e], plain[e] = mx_quads.untile(values[e], scales[e], rowexp[e], n, k)
+            packed[e], plain[e] = mx_quads.untile(values[e], scales[e], rowexp[e], n, k, paired)
     return packed, plain
 
 
@@ -326,11 +329,12 @@ def _expert_map(spec: MoESpec, device: torch.device) -> torch.Tensor:
 
 class _MxStack:
     """Per-expert plain MXFP4 [n, k/2] + [n, k/32] tiled into preallocated [E_l, ...] MX tiles, or MX
-    quads with their row exponents (quads, for a8w4)."""
+    quads with their row exponents (quads, for a8w4; paired: residuals paired, for w13)."""
 
-    def __init__(self, name: str, count: int, n: int, k: int, device: torch.device, quads: bool = False) -> None:
-        (vs, ss) = mx_tiles.tiled_shapes(n, k)
-        self.name, self.n, self.k, self.quads = name, n, k, quads
+    def __init__(self, name: str, count: int, n: int, k: int, device: torch.device, quads: bool = False,
+                 paired: bool = False) -> None:
+        (vs, ss) = mx_quads.tiled_shapes(n, k, paired) if quads else mx_tiles.tiled_shapes(n, k)
+        self.name, self.n, self.k, self.quads, self.paired = name, n, k, quads, paired
         self.values = torch.empty(count, *vs, dtype=torch.uint8, device=device)
         self.scales = torch.empty(count, *ss, dtype=torch.uint8, device=device)
         self.rowexp = torch.empty(count, n, dtype=torch.uint8, device=device) if quads else None
@@ -349,7 +353,7 @@ class _MxStack:
         if scales.numel():
             self.scale_max = torch.maximum(self.scale_max, scales.max())
         if self.quads:
-            self.values[j], self.scales[j], self.rowexp[j], flushed = mx_quads.tile(packed, scales)
+            self.values[j], self.scales[j], self.rowexp[j], flushed = mx_quads.tile(packed, scales, self.paired)
             self.flushed += flushed
         else:
             self.values[j], self.scales[j] = mx_tiles.tile(packed, scales)
@@ -383,7 +387,7 @@ def prepare_mxfp4_local(spec: MoESpec, experts: Iterable[tuple[torch.Tensor, tor
             raise WeightError("prepare_mxfp4_local: each expert is (w13, w13_scale, w2, w2_scale)")
         if st13 is None:
             dev = dev or item[0].device
-            st13, st2 = _MxStack("w13", El, 2 * I, H, dev, quads), _MxStack("w2", El, H, I, dev, quads)
+            st13, st2 = _MxStack("w13", El, 2 * I, H, dev, quads, quads), _MxStack("w2", El, H, I, dev, quads)
         st13.put(count, item[0], item[1])
         st2.put(count, item[2], item[3])
         del item  # the plain copy goes before the next expert's is drawn
@@ -392,7 +396,7 @@ def prepare_mxfp4_local(spec: MoESpec, experts: Iterable[tuple[torch.Tensor, tor
         raise WeightError(f"prepare_mxfp4_local: {count} experts given, the spec has {El} local")
     if st13 is None:  # no local experts
         dev = dev or torch.device("cpu")
-        st13, st2 = _MxStack("w13", 0, 2 * I, H, dev, quads), _MxStack("w2", 0, H, I, dev, quads)
+        st13, st2 = _MxStack("w13", 0, 2 * I, H, dev, quads, quads), _MxStack("w2", 0, H, I, dev, quads)
     kind = GateUpKind.MX_QUADS if quads else GateUpKind.MX_TILES
     flushed = st13.flushed + st2.flushed
     if flushed:

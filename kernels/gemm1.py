@@ -71,7 +71,7 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, stride_xs, stride_xs_k, w_ptr, ws_ptr
     n_ok = n < n_out
     a_ptrs, as_ptrs, w_ptrs, w_off, s_off, nb_ok, kb = tile_start(
         x_ptr, tok, stride_x, xs_ptr, stride_xs, w_ptr, e64, pid_n, n, n_out, hidden, row_blocks, k_blocks,
-        QGROUP, FP8, W4, BLOCK_N, BLOCK_K, SCALED)
+        QGROUP, FP8, W4, BLOCK_N, BLOCK_K, SCALED, PAIRED=FP8 and W4)  # a8w4's w13: residuals paired
     ws_lo = ws_ptr  # read only by the fp8 scheme
     ws_hi = ws_ptr
     ws_sel = tl.arange(0, BLOCK_N) % 2 == 1
@@ -110,7 +110,8 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, stride_xs, stride_xs_k, w_ptr, ws_ptr
         acc = k_loop(a_ptrs, as_ptrs, stride_xs_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, ws_hi, ws_sel, n_ok, w_off,
                      s_off, nb_ok, kb, k_blocks, hidden, k_lo, k_hi, x_ptr, 0, w_desc,
                      (expert * n_out + pid_n * BLOCK_N).to(tl.int32),
-                     QGROUP, FP8, W4, BIG, BLOCK_M, BLOCK_N, BLOCK_K, INTERP, SCALED, TMA_W=TMA_W)
+                     QGROUP, FP8, W4, BIG, BLOCK_M, BLOCK_N, BLOCK_K, INTERP, SCALED, TMA_W=TMA_W,
+                     PAIRED=FP8 and W4)
         if PHASE == 1:
             tl.store(p_ptrs + tl.program_id(1) * slab, acc, mask=p_mask)
             return
@@ -182,7 +183,7 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
     gpt-oss's clamped gate * sigmoid(alpha * gate) * (up + 1).
 
     MXFP4 w13 comes as MX tiles (a16w4; mx_big: some e8m0 scale is above 128) or, with e4m3
-    activations (a8w4), as MX quads with their row exponents w13_rowexp_t (mx_flush: some
+    activations (a8w4), as MX quads with paired residuals and their row exponents w13_rowexp_t (mx_flush: some
     blocks are flushed, atom_moe/layouts/mx_quads.py). split_k > 1 splits K that many
     ways over a second grid axis and adds the slices in a second launch, through `partial` (fp32,
     >= split_k * T * top_k * 2I elements: GEMM2's scratch, free while GEMM1 runs; allocate_workspace
@@ -216,7 +217,7 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
                               f"{'a8w4' if fp8 else 'a16w4'} (built by atom_moe.weights for that scheme), "
                               f"got {w13_t.kind.value} / {w13_scale_t.kind.value}")
         w13, w13_scale, row_blocks, k_blocks = launch_args("GEMM1", "w13", w13, w13_scale, 2 * inter, hidden,
-                                                           block_n, block_k, quads=fp8)
+                                                           block_n, block_k, quads=fp8, paired=fp8)
         if fp8:
             rowexp = rowexp_arg("GEMM1", "w13_rowexp", None if w13_rowexp_t is None else
                                 require(w13_rowexp_t, GateUpLayout.INTERLEAVED, "w13_rowexp"), w13.shape[0], 2 * inter)

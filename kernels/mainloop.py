@@ -61,12 +61,13 @@ def tile_rows(sorted_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr, PAIRS: tl.con
 @triton.jit
 def tile_start(a_ptr, a_rows, stride_a, as_ptr, stride_as, w_ptr, e64, pid_n, n, n_total, K, row_blocks, k_blocks,
                AGROUP: tl.constexpr, FP8: tl.constexpr, W4: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, SCALED: tl.constexpr = False):
+               BLOCK_K: tl.constexpr, SCALED: tl.constexpr = False, PAIRED: tl.constexpr = False):
     """(a_ptrs, as_ptrs, w_ptrs, w_off, s_off, nb_ok, kb): where `k_loop` starts for this tile.
 
     a_rows: each tile row's activation row (int64), stride_a apart; as_ptrs: each row's first
     activation scale (FP8, AGROUP columns per scale), stride_as apart. bf16/fp8 weights: w_ptrs at rows n of
-    expert e64's [n_total, K] matrix. MXFP4: the MX tile offsets (mxfp4.tile_offsets). What a
+    expert e64's [n_total, K] matrix. MXFP4: the MX tile offsets (mxfp4.tile_offsets; PAIRED: MX quads with
+    paired residuals). What a
     scheme does not use is returned unread (the bare pointers, zeros).
     """
     kk = tl.arange(0, BLOCK_K)
@@ -76,7 +77,7 @@ def tile_start(a_ptr, a_rows, stride_a, as_ptr, stride_as, w_ptr, e64, pid_n, n,
         a_ptrs = a_ptr + a_rows[:, None] * stride_a + kk[None, :]
     as_ptrs, w_ptrs, w_off, s_off, nb_ok, kb = as_ptr, w_ptr, 0, 0, False, 0
     if W4:  # MX tiles, or MX quads for a8w4 (kernels/mxfp4.py), advanced per K step
-        w_off, s_off, nb_ok, kb = tile_offsets(e64, pid_n, row_blocks, k_blocks, BLOCK_N, BLOCK_K, FP8, SCALED)
+        w_off, s_off, nb_ok, kb = tile_offsets(e64, pid_n, row_blocks, k_blocks, BLOCK_N, BLOCK_K, FP8, SCALED, PAIRED)
     else:
         w_ptrs = w_ptr + e64 * n_total * K + n.to(tl.int64)[None, :] * K + kk[:, None]
     if FP8:
@@ -89,7 +90,7 @@ def k_loop(a_ptrs, as_ptrs, stride_as_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, w
            kb, k_blocks, K, k_lo, k_hi, a_desc, a_row, w_desc, w_row, AGROUP: tl.constexpr, FP8: tl.constexpr,
            W4: tl.constexpr, BIG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
            INTERP: tl.constexpr, SCALED: tl.constexpr = False, TMA_A: tl.constexpr = False,
-           TMA_W: tl.constexpr = False):
+           TMA_W: tl.constexpr = False, PAIRED: tl.constexpr = False):
     """The fp32 accumulator of one tile over k in [k_lo, k_hi): [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] for W4.
 
     a_ptrs: activation tile pointers ([BLOCK_M, BLOCK_K], or [BLOCK_K, BLOCK_M] for W4) at k = 0;
@@ -100,7 +101,7 @@ def k_loop(a_ptrs, as_ptrs, stride_as_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, w
     a function of tl.arange alone so that the compiler sees each register's kind; w_off, s_off, nb_ok, kb:
     the MX tile offsets (W4, from mxfp4.tile_offsets). Pointers of the unused kind are never read. k_lo > 0 (split-K)
     must be a multiple of BLOCK_K; K bounds the masks. SCALED: a8w4 through tl.dot_scaled
-    (kernels/mxfp4.py). TMA_A / TMA_W (bf16, fp8): the activation tile comes from a_desc at rows
+    (kernels/mxfp4.py); PAIRED: a8w4's residuals paired (w13, atom_moe/layouts/mx_quads.py). TMA_A / TMA_W (bf16, fp8): the activation tile comes from a_desc at rows
     [a_row, a_row + BLOCK_M) (they must be consecutive; rows that hold no pair load what is there, and
     their results are never stored), the weight tile from w_desc at rows [w_row, w_row + BLOCK_N) of
     [E * n_total, K] (rows past the expert's last belong to the next expert or are zeros: their
@@ -110,7 +111,7 @@ def k_loop(a_ptrs, as_ptrs, stride_as_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, w
     a_ptrs += k_lo
     if W4:  # the MX offsets start at k = 0: skip k_lo / BLOCK_K steps
         w_off += (k_lo // BLOCK_K) * ((BLOCK_K // 64) * 128)
-        s_off += (k_lo // BLOCK_K) * scale_step(BLOCK_K, FP8)
+        s_off += (k_lo // BLOCK_K) * scale_step(BLOCK_K, FP8, PAIRED)
     else:
         w_ptrs += k_lo
     if W4:
@@ -150,14 +151,14 @@ def k_loop(a_ptrs, as_ptrs, stride_as_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, w
                     a_s_next = tl.load(as_ptrs + ((k0 + BLOCK_K) // AGROUP) * stride_as_k, mask=row_ok & more,
                                        other=0.0)
                 acc = swap_step(acc, a, a_s, w_ptr, ws_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks,
-                                BLOCK_N, BLOCK_M, BLOCK_K, FP8, BIG, INTERP, SCALED)
+                                BLOCK_N, BLOCK_M, BLOCK_K, FP8, BIG, INTERP, SCALED, PAIRED)
             else:
                 if a_ptrs.dtype.element_ty != tl.bfloat16:  # a16w4 dots in bf16
                     a = cast(a.to(tl.float32), tl.bfloat16, INTERP)
                 acc = swap_step(acc, a, 0.0, w_ptr, ws_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks,
                                 BLOCK_N, BLOCK_M, BLOCK_K, FP8, BIG, INTERP)
             w_off += (BLOCK_K // 64) * 128
-            s_off += scale_step(BLOCK_K, FP8)
+            s_off += scale_step(BLOCK_K, FP8, PAIRED)
         else:
             if TMA_W:
                 w = tl.trans(w_desc.load([w_row, k0]))

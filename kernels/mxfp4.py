@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_moe.layouts import mx_tiles
+from atom_moe.layouts import mx_quads, mx_tiles
 
 from .common import cast, dot, interpreting
 
@@ -69,14 +69,17 @@ assert mx_tiles.PIECES == (((0, mx_tiles.MASK),), ((6, mx_tiles.MASK),), ((12, m
 
 @triton.jit
 def tile_offsets(expert64, pid_n, row_blocks, k_blocks, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 QUADS: tl.constexpr = False, SCALED: tl.constexpr = False):
+                 QUADS: tl.constexpr = False, SCALED: tl.constexpr = False, PAIRED: tl.constexpr = False):
     """(word offsets [NB, KB, 32, 4], scale offsets, row-block ok [NB], kb [KB]) of the tile at column
-    tile pid_n, K step 0; advance by KB * 128 words and `scale_step(BLOCK_K, QUADS)` per K step.
+    tile pid_n, K step 0; advance the words by KB * 128 and the scales by `scale_step(BLOCK_K, QUADS, PAIRED)`
+    per K step.
 
     Scale offsets: MX tiles, int32 words [NB, KB, 8] (one per row pair); MX quads (QUADS), the
     residual bytes [NB, KB, 32, 4] each lane needs for its 4 words (a per-lane load keeps the
     table math in the words' own layout, so the decoded tile needs no shared-memory restage);
-    with SCALED, the residual bytes in plain order [BLOCK_N, BLOCK_K / 32] (row, 32-k block)."""
+    with SCALED, the residual bytes in plain order [BLOCK_N, BLOCK_K / 32] (row, 32-k block).
+    PAIRED (MX quads with paired residuals, atom_moe/layouts/mx_quads.py): at k = 0, `load_tile`
+    adds `pair_offset`; a 128-k step's are [NB, 32, 8], one 8-byte load per lane and row block."""
     NB: tl.constexpr = BLOCK_N // 16
     KB: tl.constexpr = BLOCK_K // 64
     nb = pid_n * NB + tl.arange(0, NB)
@@ -84,11 +87,23 @@ def tile_offsets(expert64, pid_n, row_blocks, k_blocks, BLOCK_N: tl.constexpr, B
     blk = (expert64 * row_blocks + nb)[:, None] * k_blocks + kb[None, :]
     lane_j = tl.arange(0, 32)[:, None] * 4 + tl.arange(0, 4)[None, :]
     w_off = blk[:, :, None, None] * 128 + lane_j[None, None, :, :]
-    if QUADS and SCALED:  # row r = 16 nb + 8 h + g, block c = 2 kb + s: byte g * 4 + 2 s + h of block (nb, kb)
+    if PAIRED:  # 64 bytes per row block and pair of K blocks: byte g * 8 + t * 4 + j
+        first = (expert64 * row_blocks + nb) * ((k_blocks + 1) // 2) * 64  # [NB] each row block's first pair
+    if QUADS and SCALED and PAIRED:  # row r = 16 nb + 8 h + g, block c = 2 kb + s: byte g*8 + t*4 + 2s + h of pair kb//2
+        r = tl.arange(0, BLOCK_N)[:, None]
+        c = tl.arange(0, BLOCK_K // 32)[None, :]
+        s_off = ((expert64 * row_blocks + pid_n * NB + r // 16) * ((k_blocks + 1) // 2) + c // 4) * 64 \
+            + (r % 8) * 8 + (c // 2 % 2) * 4 + (c % 2) * 2 + (r // 8) % 2
+    elif QUADS and SCALED:  # byte g * 4 + 2 s + h of block (nb, kb)
         r = tl.arange(0, BLOCK_N)[:, None]
         c = tl.arange(0, BLOCK_K // 32)[None, :]
         s_off = ((expert64 * row_blocks + pid_n * NB + r // 16) * k_blocks + c // 2) * 32 \
             + (r % 8) * 4 + (c % 2) * 2 + (r // 8) % 2
+    elif QUADS and PAIRED and KB == 2:
+        s_off = first[:, None, None] + (tl.arange(0, 32) // 4 * 8)[None, :, None] + tl.arange(0, 8)[None, None, :]
+    elif QUADS and PAIRED:
+        s_off = first[:, None, None, None] + (kb // 2 * 64 + kb % 2 * 4)[None, :, None, None] \
+            + (lane_j // 16 * 8 + lane_j % 4)[None, None, :, :]
     elif QUADS:
         s_off = blk[:, :, None, None] * 32 + lane_j[None, None, :, :] // 16 * 4 + tl.arange(0, 4)[None, None, None, :]
     else:
@@ -97,22 +112,45 @@ def tile_offsets(expert64, pid_n, row_blocks, k_blocks, BLOCK_N: tl.constexpr, B
 
 
 @triton.jit
-def scale_step(BLOCK_K: tl.constexpr, QUADS: tl.constexpr):
-    """How far the scale offsets advance per K step (int32 words, or residual bytes for QUADS)."""
-    if QUADS:
+def scale_step(BLOCK_K: tl.constexpr, QUADS: tl.constexpr, PAIRED: tl.constexpr = False):
+    """How far the scale offsets advance per K step (int32 words, or residual bytes for QUADS); 0 for
+    PAIRED, whose offsets `load_tile` moves from k0 (recomputed per step: a loop-carried increment lost the
+    8-byte alignment the compiler must see, docs/perf/a8w4-resid-pairs-h200.md)."""
+    if PAIRED:
+        return 0
+    elif QUADS:
         return (BLOCK_K // 64) * 32
     else:
         return (BLOCK_K // 64) * 8
 
 
 @triton.jit
-def load_tile(w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks):
+def pair_offset(k0, BLOCK_K: tl.constexpr):
+    """Paired residual bytes of the K step at k0 past those of k = 0: 64 bytes per pair of K blocks, and a
+    64-k step may start a pair's second half (4 bytes further)."""
+    if BLOCK_K % 128 == 0:
+        return (k0 // 128) * 64
+    else:
+        return (k0 // 128) * 64 + ((k0 >> 6) & 1) * 4
+
+
+@triton.jit
+def load_tile(w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks, PAIRED: tl.constexpr = False):
     """One K step's int32 value words and its scale words (MX tiles) or residual bytes (MX quads, per
-    lane or, for SCALED, in plain order); zeros past N or K."""
+    lane as [NB, KB, 32, 4] or, for SCALED, in plain order); zeros past N or K."""
+    if PAIRED:
+        s_off += pair_offset(k0, 64 * kb.shape[0])
     kb_ok = (k0 // 64 + kb) < k_blocks
     ok = nb_ok[:, None] & kb_ok[None, :]
     words = tl.load(w_ptr + w_off, mask=ok[:, :, None, None], other=0)
-    if len(s_off.shape) == 4:  # MX quads: residual bytes per lane
+    if PAIRED and len(s_off.shape) == 3:  # [NB, 32, 8]: one 8-byte load per lane and row block, masked by row
+        # block and step only (a mask that varies along the 8 bytes would split the load): a pair's missing
+        # second block is zeros in memory, and its value words are masked
+        NB: tl.constexpr = ok.shape[0]
+        step_ok = (tl.zeros([NB], tl.int32) + k0 // 64) < k_blocks
+        sw = tl.load(s_ptr + s_off, mask=(nb_ok & step_ok)[:, None, None], other=0)
+        swords = tl.permute(tl.reshape(sw, (NB, 32, 2, 4)), (0, 2, 1, 3))
+    elif len(s_off.shape) == 4:  # MX quads: residual bytes per lane
         swords = tl.load(s_ptr + s_off, mask=ok[:, :, None, None], other=0)
     elif len(s_off.shape) == 2:  # MX quads for tl.dot_scaled: [BLOCK_N, BLOCK_K / 32]
         NB: tl.constexpr = ok.shape[0]
@@ -307,12 +345,12 @@ def row_factor(rowexp_ptr, e64, n, n_ok, n_rows):
 @triton.jit
 def swap_step(acc, a, a_s, w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks, BLOCK_N: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, BIG: tl.constexpr,
-              INTERP: tl.constexpr, SCALED: tl.constexpr = False):
+              INTERP: tl.constexpr, SCALED: tl.constexpr = False, PAIRED: tl.constexpr = False):
     """acc^T [BLOCK_N, BLOCK_M] plus one K step of W @ a^T. a is [BLOCK_K, BLOCK_M]: bf16 against
     MX tiles, or (FP8) e4m3 against MX quads, with per-token scales a_s applied to the step's fp8
     product (BIG: MX tiles' scales above 128; for MX quads it is FLUSH); SCALED: MX quads through
-    tl.dot_scaled."""
-    words, swords = load_tile(w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks)
+    tl.dot_scaled; PAIRED: their residuals paired (tile_offsets)."""
+    words, swords = load_tile(w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks, PAIRED)
     if FP8 and SCALED:
         codes = tile_e2m1(words, swords, BLOCK_N, BLOCK_K, BIG)
         if INTERP:
@@ -354,15 +392,17 @@ def words(t: torch.Tensor) -> torch.Tensor:
 
 
 def launch_args(gemm: str, name: str, values: torch.Tensor, scales: torch.Tensor, n: int, k: int, block_n: int,
-                block_k: int, quads: bool = False) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """Check [E, ...] MX tiles (or quads) of an [n, k] weight and the tile; (value words, scale words or
-    residual bytes, row blocks, k blocks)."""
+                block_k: int, quads: bool = False, paired: bool = False) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """Check [E, ...] MX tiles (or quads, their residuals paired or not) of an [n, k] weight and the tile;
+    (value words, scale words or residual bytes, row blocks, k blocks)."""
+    layout = ("MX quads with paired residuals" if paired else "MX quads") if quads else "MX tiles"
     if values.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise ValueError(f"{gemm}: MX tiles {name} and their scales must be uint8, got {values.dtype}, {scales.dtype}")
-    want_v, want_s = mx_tiles.tiled_shapes(n, k)
+        raise ValueError(f"{gemm}: {layout} {name} and their scales must be uint8, got {values.dtype}, "
+                         f"{scales.dtype}")
+    want_v, want_s = mx_quads.tiled_shapes(n, k, paired) if quads else mx_tiles.tiled_shapes(n, k)
     if tuple(values.shape[1:]) != want_v or tuple(scales.shape[1:]) != want_s:
-        raise ValueError(f"{gemm}: MX tiles {name} {tuple(values.shape)} / scales {tuple(scales.shape)} do not fit "
-                         f"an [{n}, {k}] weight: expected [E, {', '.join(map(str, want_v))}] / "
+        raise ValueError(f"{gemm}: {layout} {name} {tuple(values.shape)} / scales {tuple(scales.shape)} do not "
+                         f"fit an [{n}, {k}] weight: expected [E, {', '.join(map(str, want_v))}] / "
                          f"[E, {', '.join(map(str, want_s))}]")
     if block_n % mx_tiles.ROWS or block_k % mx_tiles.KS:
         raise ValueError(f"MXFP4 {gemm} needs block_n % 16 == 0 and block_k % 64 == 0 (whole MX tile blocks), "
@@ -381,11 +421,13 @@ def rowexp_arg(gemm: str, name: str, rowexp: torch.Tensor | None, experts: int, 
 
 
 def _dequant_args(layout: str, values: torch.Tensor, scales: torch.Tensor, n: int, k: int, block_n: int,
-                  block_k: int) -> tuple[tuple[int, ...], int]:
-    """Check a dequantize call's inputs; (leading dims, their product)."""
+                  block_k: int, want: tuple[tuple[int, int, int], tuple[int, int, int]]
+                  ) -> tuple[tuple[int, ...], int]:
+    """Check a dequantize call's inputs against the layout's per-expert shapes `want`; (leading dims, their
+    product)."""
     if values.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"{layout} and their scales must be uint8, got {values.dtype}, {scales.dtype}")
-    want_v, want_s = mx_tiles.tiled_shapes(n, k)
+    want_v, want_s = want
     lead = tuple(values.shape[:-3])
     if tuple(values.shape[-3:]) != want_v or tuple(scales.shape) != (*lead, *want_s):
         raise ValueError(f"{layout} {tuple(values.shape)} / scales {tuple(scales.shape)} do not fit [{n}, {k}]: "
@@ -403,7 +445,7 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor, n: int, k: int, *, bi
     big: the scales-above-128 path (default: on iff any scale byte is above 128).
     """
     want_v = mx_tiles.tiled_shapes(n, k)[0]
-    lead, experts = _dequant_args("MX tiles", values, scales, n, k, block_n, block_k)
+    lead, experts = _dequant_args("MX tiles", values, scales, n, k, block_n, block_k, mx_tiles.tiled_shapes(n, k))
     if big is None:
         big = bool((scales > 128).any())
     out = torch.empty(*lead, n, k, dtype=torch.float32, device=values.device)
@@ -415,12 +457,13 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor, n: int, k: int, *, bi
 
 @triton.jit
 def _dequant_quads_kernel(w_ptr, r_ptr, rowexp_ptr, out_ptr, n_rows, k, row_blocks, k_blocks, FLUSH: tl.constexpr,
-                          PRMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          PRMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIRED: tl.constexpr):
     pid_n = tl.program_id(0)
     k0 = tl.program_id(1) * BLOCK_K
     e64 = tl.program_id(2).to(tl.int64)
-    w_off, r_off, nb_ok, kb = tile_offsets(e64, pid_n, row_blocks, k_blocks, BLOCK_N, BLOCK_K, True)
-    words, resid = load_tile(w_ptr, r_ptr, w_off + (k0 // 64) * 128, r_off + (k0 // 64) * 32, nb_ok, kb, k0, k_blocks)
+    w_off, r_off, nb_ok, kb = tile_offsets(e64, pid_n, row_blocks, k_blocks, BLOCK_N, BLOCK_K, True, PAIRED=PAIRED)
+    r_off += (k0 // BLOCK_K) * scale_step(BLOCK_K, True, PAIRED)
+    words, resid = load_tile(w_ptr, r_ptr, w_off + (k0 // 64) * 128, r_off, nb_ok, kb, k0, k_blocks, PAIRED)
     w = tile_e4m3(words, resid, BLOCK_N, BLOCK_K, FLUSH, PRMT).to(tl.float32)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = k0 + tl.arange(0, BLOCK_K)
@@ -430,10 +473,13 @@ def _dequant_quads_kernel(w_ptr, r_ptr, rowexp_ptr, out_ptr, n_rows, k, row_bloc
 
 
 def dequantize_quads(values: torch.Tensor, residuals: torch.Tensor, rowexp: torch.Tensor, n: int, k: int, *,
-                     flush: bool = True, block_n: int = 32, block_k: int = 128) -> torch.Tensor:
-    """fp32 [..., n, k] from MX quads through the a8w4 decoder (tests: equal to the twin's weights)."""
+                     flush: bool = True, paired: bool = False, block_n: int = 32, block_k: int = 128
+                     ) -> torch.Tensor:
+    """fp32 [..., n, k] from MX quads (residuals paired or not) through the a8w4 decoder (tests: equal to the
+    twin's weights)."""
     want_v = mx_tiles.tiled_shapes(n, k)[0]
-    lead, experts = _dequant_args("MX quads", values, residuals, n, k, block_n, block_k)
+    lead, experts = _dequant_args("MX quads", values, residuals, n, k, block_n, block_k,
+                                  mx_quads.tiled_shapes(n, k, paired))
     if rowexp.dtype != torch.uint8 or tuple(rowexp.shape) != (*lead, n):
         raise ValueError(f"MX quads' rowexp must be uint8 [..., {n}] matching the values' leading dims {lead}, "
                          f"got {rowexp.dtype} {tuple(rowexp.shape)}")
@@ -441,7 +487,7 @@ def dequantize_quads(values: torch.Tensor, residuals: torch.Tensor, rowexp: torc
     grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k), experts)
     _dequant_quads_kernel[grid](words(values.contiguous()), residuals.contiguous(), rowexp.contiguous(), out, n, k,
                                 want_v[0], want_v[1], FLUSH=flush, PRMT=use_prmt(), BLOCK_N=block_n,
-                                BLOCK_K=block_k)
+                                BLOCK_K=block_k, PAIRED=paired)
     return out
 
 

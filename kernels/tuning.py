@@ -169,10 +169,12 @@ def heuristic(scheme: str, hidden: int, inter: int, num_experts: int, top_k: int
         # the 64-k step's time in 27 of 28 keys, 2 % more in one (docs/perf/a8w4-tiles-sass.md)
         if tokens == 1:  # top_k pairs: few GEMM1 programs. A K split in two fills the SMs where there are
             # fewer than 128 (GLM-5.2-TP8 36, DeepSeek-V4.1-Flash-TP4 60: 0.69-0.78 of the 64-k time); with
-            # 192-256 (four shapes) neither the split nor the 128-k step beat the 64-k step (within 3 %)
+            # 192-256 (four shapes) neither the split nor the 128-k step beat the 64-k step (within 3 %) while
+            # w13's residuals were in plain order. Paired (atom_moe/layouts/mx_quads.py), a 64-k step loads them
+            # in halves: GEMM1 at 64-k took 1.04-1.20x its plain-order time (docs/perf/a8w4-resid-pairs-h200.md)
             if top_k * -(-2 * inter // 128) < A8W4_SPLIT_BELOW_PROGRAMS and hidden > 128:  # two K steps at least
                 return TileConfig(16, 128, 128, 4, 4, 64, 64, 4, 4, split_k1=2)
-            return TileConfig(16, 128, 64, 4, 4, 64, 64, 4, 4)
+            return TileConfig(16, 128, 128, 4, 4, 64, 64, 4, 4)
         # BLOCK_M by its own thresholds, GEMM2 128 wide with 4 warps at 64 rows: on an H200 (2026-12-06, `atom-moe
         # tune --configs`, eight served shapes x T = 1-8192, docs/perf/tune-h200-a8w4-2026-12-06.md) 32-row tiles
         # won all five keys with 8 < rows < 32 (16 rows took 1.21-1.34x), 64 rows with that GEMM2 all 17 keys

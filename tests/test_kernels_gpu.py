@@ -144,7 +144,8 @@ def test_int64_offsets_mxfp4(seed, scheme):
     quads = scheme == "a8w4"  # MX quads: residual bytes in [1, 12] (none flushed), exponents per row
     kind = GateUpKind.MX_QUADS if quads else GateUpKind.MX_TILES
     lo, hi = (6, 13) if quads else (116, 122)  # ~2^-8: unit-ish rows
-    s13 = torch.randint(lo, hi, (E, 2 * I // 16, H // 64, 32), **u8)
+    # a8w4's w13 residuals are paired per 128 k (atom_moe/layouts/mx_quads.py)
+    s13 = torch.randint(lo, hi, (E, 2 * I // 16, H // 128, 64) if quads else (E, 2 * I // 16, H // 64, 32), **u8)
     s2 = torch.randint(lo, hi, (E, H // 16, I // 64, 32), **u8)
     rowexp = dict(w13_rowexp=GateUpTensor(torch.randint(119, 122, (E, 2 * I), **u8), GateUpLayout.INTERLEAVED),
                   w2_rowexp=torch.randint(119, 122, (E, H), **u8)) if quads else {}

@@ -79,8 +79,8 @@ def test_bf16_heuristic_takes_128x256_tiles_at_large_batches_of_17_to_128_rows_p
 
 
 def test_a8w4_heuristic_steps_gemm1_by_128_and_splits_it_at_one_token_where_programs_are_few():
-    """The H100-measured rule (kernels/tuning.py, docs/perf/a8w4-tiles-sass.md): GEMM1's 128-k step from T = 2
-    on; at T = 1 a K split in two below 128 GEMM1 programs (top_k * 2I / 128), else the 64-k step."""
+    """The H100-measured rule (kernels/tuning.py, docs/perf/a8w4-tiles-sass.md, a8w4-resid-pairs-h200.md): GEMM1's
+    128-k step at every T; at T = 1 a K split in two below 128 GEMM1 programs (top_k * 2I / 128), else unsplit."""
     for T in (2, 8, 128, 512, 2048, 8192):
         for H, I, E, k in ((7168, 2048, 256, 8), (6144, 256, 257, 9), (5120, 640, 384, 6)):
             cfg = tuning.heuristic("a8w4", H, I, E, k, T)
@@ -96,13 +96,13 @@ def test_a8w4_heuristic_steps_gemm1_by_128_and_splits_it_at_one_token_where_prog
     }.items()}
     for name in ("glm-5.2-tp8", "v4.1-flash-tp4", "edge"):
         assert (one[name].block_k1, one[name].split_k1) == (128, 2), name
-    for name in ("deepseek-v3", "above", "qwen3"):
-        assert (one[name].block_k1, one[name].split_k1) == (64, 1), name
+    for name in ("deepseek-v3", "above", "qwen3"):  # w13's residuals are paired: a 64-k step loads halves
+        assert (one[name].block_k1, one[name].split_k1) == (128, 1), name
     for cfg in one.values():
         cfg.check("a8w4")
-    # H of one 128-k step has nothing to split: the 64-k step, unsplit
+    # H of one 128-k step has nothing to split: unsplit
     narrow = tuning.heuristic("a8w4", 128, 64, 8, 2, 1)
-    assert (narrow.block_k1, narrow.split_k1) == (64, 1)
+    assert (narrow.block_k1, narrow.split_k1) == (128, 1)
     assert tuning.heuristic("fp8", 6144, 256, 257, 9, 1).split_k1 == 1  # the rule is a8w4's alone
 
 

@@ -4,6 +4,7 @@ exponents and flushing, the kernels' decoder (bit-exact), MX quads in PreparedWe
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import warnings
 
 import pytest
@@ -51,26 +52,25 @@ def independent_rowexp(packed: torch.Tensor, scales: torch.Tensor) -> list[int]:
     return out
 
 
-def want_residuals(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Residual bytes [..., N/16, K/64, 32] placed by the docstring: byte g * 4 + j (j = 2s + h) of block
-    (nb, kb) is row nb * 16 + g + 8h, k32 slab 2kb + s; (s - base + 12) mod 256, 0 in padding."""
+def want_residuals(packed: torch.Tensor, scales: torch.Tensor, paired: bool = False) -> torch.Tensor:
+    """Residual bytes placed by the docstring, (s - base + 12) mod 256, 0 in padding. Plain [..., N/16, K/64, 32]:
+    byte g * 4 + j (j = 2s + h) of block (nb, kb) is row nb * 16 + g + 8h, k32 slab 2kb + s. Paired [..., N/16,
+    ceil(K/128), 64]: byte g * 8 + t * 4 + j of pair (nb, p) is that byte of block kb = 2p + t."""
     *lead, n, kh = packed.shape
     k = 2 * kh
     n_pad, k_pad = mx_tiles.padded(n, k)
+    groups, per = (-(-k_pad // 128), 2) if paired else (k_pad // 64, 1)
     p2, s2 = packed.reshape(-1, n, kh), scales.reshape(-1, n, k // 32)
-    out = torch.zeros(p2.shape[0], n_pad // 16, k_pad // 64, 32, dtype=torch.uint8)
+    out = torch.zeros(p2.shape[0], n_pad // 16, groups, 32 * per, dtype=torch.uint8)
     for e in range(p2.shape[0]):
         base = independent_rowexp(p2[e], s2[e])
         sc = s2[e].tolist()
-        for nb in range(n_pad // 16):
-            for kb in range(k_pad // 64):
-                for g in range(8):
-                    for j in range(4):
-                        s, h = divmod(j, 2)
-                        row, slab = nb * 16 + g + 8 * h, 2 * kb + s
-                        if row < n and slab < k // 32:
-                            out[e, nb, kb, g * 4 + j] = (sc[row][slab] - base[row] + 12) % 256
-    return out.reshape(*lead, n_pad // 16, k_pad // 64, 32)
+        for nb, p, g, t, j in itertools.product(range(n_pad // 16), range(groups), range(8), range(per), range(4)):
+            s, h = divmod(j, 2)
+            row, slab = nb * 16 + g + 8 * h, 2 * (per * p + t) + s
+            if row < n and slab < k // 32:
+                out[e, nb, p, g * 4 * per + t * 4 + j] = (sc[row][slab] - base[row] + 12) % 256
+    return out.reshape(*lead, n_pad // 16, groups, 32 * per)
 
 
 # ---------------------------------------------------------------- tile / untile
@@ -79,34 +79,36 @@ SHAPES = [((), 40, 96), ((3,), 40, 96), ((2, 3), 80, 160), ((2,), 16, 64), ((1,)
           ((2,), 48, 448), ((), 1, 32), ((2,), 37, 288)]
 
 
+@pytest.mark.parametrize("paired", [False, True])
 @pytest.mark.parametrize("lead, n, k", SHAPES)
-def test_round_trip_bit_exact(seed, lead, n, k):
+def test_round_trip_bit_exact(seed, lead, n, k, paired):
     packed, scales = rand_u8(*lead, n, k // 2), rand_u8(*lead, n, k // 32)
-    values, residuals, rowexp, flushed = mx_quads.tile(packed, scales)
-    want_v, want_s = mx_tiles.tiled_shapes(n, k)
+    values, residuals, rowexp, flushed = mx_quads.tile(packed, scales, paired)
+    want_v, want_s = mx_quads.tiled_shapes(n, k, paired)
     assert values.dtype == residuals.dtype == rowexp.dtype == torch.uint8
     assert values.shape == (*lead, *want_v) and residuals.shape == (*lead, *want_s) and rowexp.shape == (*lead, n)
     assert values.is_contiguous() and residuals.is_contiguous()
     assert isinstance(flushed, int) and flushed == int(mx_quads.flushed_blocks(packed, scales).sum())
-    back_p, back_s = mx_quads.untile(values, residuals, rowexp, n, k)
+    back_p, back_s = mx_quads.untile(values, residuals, rowexp, n, k, paired)
     assert same(back_p, packed) and same(back_s, scales)  # lossless, flushed blocks and NaN scales included
-    again = mx_quads.tile(back_p, back_s)
+    again = mx_quads.tile(back_p, back_s, paired)
     assert same(again[0], values) and same(again[1], residuals) and same(again[2], rowexp) and again[3] == flushed
 
 
 @pytest.mark.parametrize("lead, n, k", [((), 40, 96), ((2,), 17, 160), ((3,), 1, 32), ((2, 2), 37, 288),
-                                         ((2,), 32, 128)])
-def test_residuals_and_padding(seed, lead, n, k):
+                                         ((2,), 32, 128), ((2,), 16, 320)])
+@pytest.mark.parametrize("paired", [False, True])
+def test_residuals_and_padding(seed, lead, n, k, paired):
     """Residual bytes at the documented places, (s - base + 12) mod 256, padding bytes 0; padding codes 0."""
     packed = nonzero_bytes(*lead, n, k // 2)
     scales = rand_u8(*lead, n, k // 32, lo=1, hi=255)  # no NaN byte
-    values, residuals, rowexp, _ = mx_quads.tile(packed, scales)
-    assert same(residuals, want_residuals(packed, scales))
+    values, residuals, rowexp, _ = mx_quads.tile(packed, scales, paired)
+    assert same(residuals, want_residuals(packed, scales, paired))
     # the padded [n_pad, k_pad] weight gives the same quads: untile it whole to see the padding codes
     n_pad, k_pad = mx_tiles.padded(n, k)
     rowexp_pad = torch.full((*lead, n_pad), 127, dtype=torch.uint8)
     rowexp_pad[..., :n] = rowexp
-    full_p, _ = mx_quads.untile(values, residuals, rowexp_pad, n_pad, k_pad)
+    full_p, _ = mx_quads.untile(values, residuals, rowexp_pad, n_pad, k_pad, paired)
     assert same(full_p[..., :n, : k // 2], packed)
     pad = torch.ones_like(full_p, dtype=torch.bool)
     pad[..., :n, : k // 2] = False
@@ -131,6 +133,8 @@ def test_tile_errors():
         mx_quads.untile(v, r, e[..., :39], 40, 96)
     with pytest.raises(ValueError, match="MX quads rowexp must be uint8, got torch.int32"):
         mx_quads.untile(v, r, e.to(torch.int32), 40, 96)
+    with pytest.raises(ValueError, match=r"paired residuals \(4, 3, 2, 32\) .* / \[\.\.\., 3, 1, 64\] /"):
+        mx_quads.untile(v, r, e, 40, 96, paired=True)  # plain residuals read as paired
 
 
 # ---------------------------------------------------------------- the documented word plan
@@ -294,16 +298,16 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
 
 
-def _decode_and_compare(packed, scales, *, flush, block_n, block_k):
+def _decode_and_compare(packed, scales, *, flush, block_n, block_k, paired=False):
     """dequantize_quads on DEVICE vs the twin's weights on the host: bit-exact on rows without an e8m0 NaN
     byte; those rows are NaN throughout. (a8w4 NaN-poisons the whole row through its row factor; the
     reference NaNs only the block, but the GEMM output of that row is NaN either way.)"""
     from atom_moe.kernels import mxfp4
     *_, n, kh = packed.shape
     k = 2 * kh
-    values, residuals, rowexp, _ = mx_quads.tile(packed, scales)
+    values, residuals, rowexp, _ = mx_quads.tile(packed, scales, paired)
     got = mxfp4.dequantize_quads(values.to(DEVICE), residuals.to(DEVICE), rowexp.to(DEVICE), n, k, flush=flush,
-                                 block_n=block_n, block_k=block_k).cpu()
+                                 paired=paired, block_n=block_n, block_k=block_k).cpu()
     assert got.dtype == torch.float32 and got.shape == (*packed.shape[:-1], k)
     want = F.dequantize_mxfp4(mx_quads.flush(packed, scales), scales)
     nan_rows = (scales == 255).any(-1)
@@ -321,8 +325,9 @@ def _all_bytes(E, N, K):
     return packed
 
 
+@pytest.mark.parametrize("paired", [False, True])  # paired: one 8-byte load at 128 k, two halves at 64, pairs at 256
 @pytest.mark.parametrize("block_n, block_k", [(32, 128), (16, 64), (64, 256)])
-def test_decoder_bit_exact_no_flush(seed, block_n, block_k):
+def test_decoder_bit_exact_no_flush(seed, block_n, block_k, paired):
     pytest.importorskip("triton")
     E, N, K = 2, 37, 288  # N, K not multiples of the tile block (padding, partial tiles)
     packed = _all_bytes(E, N, K)
@@ -336,13 +341,15 @@ def test_decoder_bit_exact_no_flush(seed, block_n, block_k):
         scales[0, 5, 2] = scales[1, 36, 8] = 255
         assert not mx_quads.flushed_blocks(packed, scales).any()
         for flush in (True, False):  # no flushed block: both paths decode the same
-            want = _decode_and_compare(packed, scales, flush=flush, block_n=block_n, block_k=block_k)
+            want = _decode_and_compare(packed, scales, flush=flush, block_n=block_n, block_k=block_k,
+                                       paired=paired)
         assert (want[~nan] != 0).sum() > want[~nan].numel() // 2 and want[~nan].isfinite().all()
         assert (want[0, 9, :64] == 0).all()
 
 
+@pytest.mark.parametrize("paired", [False, True])
 @pytest.mark.parametrize("block_n, block_k", [(32, 128), (64, 128)])
-def test_decoder_bit_exact_with_flush(seed, block_n, block_k):
+def test_decoder_bit_exact_with_flush(seed, block_n, block_k, paired):
     pytest.importorskip("triton")
     E, N, K = 2, 37, 288
     packed = _all_bytes(E, N, K)
@@ -352,7 +359,7 @@ def test_decoder_bit_exact_with_flush(seed, block_n, block_k):
     scales[0, 7, 4] = 255
     dropped = mx_quads.flushed_blocks(packed, scales)
     assert int(dropped.sum()) > 50
-    want = _decode_and_compare(packed, scales, flush=True, block_n=block_n, block_k=block_k)
+    want = _decode_and_compare(packed, scales, flush=True, block_n=block_n, block_k=block_k, paired=paired)
     # the flushed blocks are +-0 (signs kept), as mx_quads.flush gives them
     assert (want.reshape(E, N, K // 32, 32)[dropped] == 0).all()
 
@@ -400,7 +407,7 @@ def test_prepare_mxfp4_local_builds_mx_quads(seed, H, I, rank, world):
     p.check(spec)
     assert p.mx_flush is False
     assert p.mx_scale_max == 201 == max(max(int(e[1].max()), int(e[3].max())) for e in ex)
-    (v13, s13), (v2, s2) = mx_tiles.tiled_shapes(2 * I, H), mx_tiles.tiled_shapes(H, I)
+    (v13, s13), (v2, s2) = mx_quads.tiled_shapes(2 * I, H, paired=True), mx_quads.tiled_shapes(H, I)
     assert p.w13.kind is QUADS and p.w13.layout is INT and p.w13.data.shape == (El, *v13)
     assert p.w13_scale.kind is QUADS and p.w13_scale.layout is INT and p.w13_scale.data.shape == (El, *s13)
     assert p.w2.shape == (El, *v2) and p.w2_scale.shape == (El, *s2)
@@ -409,7 +416,7 @@ def test_prepare_mxfp4_local_builds_mx_quads(seed, H, I, rank, world):
     assert all(t.dtype == torch.uint8 for t in (p.w13.data, p.w13_scale.data, p.w2, p.w2_scale, p.w13_rowexp.data,
                                                 p.w2_rowexp))
     for j, (q13, sc13, q2, sc2) in enumerate(ex):  # exactly mx_quads.tile of each expert
-        t13, t2 = mx_quads.tile(q13, sc13), mx_quads.tile(q2, sc2)
+        t13, t2 = mx_quads.tile(q13, sc13, paired=True), mx_quads.tile(q2, sc2)
         assert same(p.w13.data[j], t13[0]) and same(p.w13_scale.data[j], t13[1]) and same(p.w13_rowexp.data[j], t13[2])
         assert same(p.w2[j], t2[0]) and same(p.w2_scale[j], t2[1]) and same(p.w2_rowexp[j], t2[2])
     # plain_mxfp4 gives the checkpoint bytes back exactly, also for a selection of experts
@@ -493,7 +500,7 @@ def test_prepare_stacked_a8w4_gives_mx_quads(seed, src):
     pytest.importorskip("triton")
     from atom_moe.kernels import mxfp4
     dq13 = mxfp4.dequantize_quads(p.w13.data.to(DEVICE), p.w13_scale.data.to(DEVICE),
-                                  p.w13_rowexp.data.to(DEVICE), 2 * I, H).cpu()
+                                  p.w13_rowexp.data.to(DEVICE), 2 * I, H, paired=True).cpu()
     dq2 = mxfp4.dequantize_quads(p.w2.to(DEVICE), p.w2_scale.to(DEVICE), p.w2_rowexp.to(DEVICE), H, I).cpu()
     for j in range(spec.num_local_experts):
         assert _bits_equal(et.dequantize_w13(p, j), dq13[j]) and _bits_equal(et.dequantize_w2(p, j), dq2[j])
