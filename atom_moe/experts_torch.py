@@ -58,7 +58,7 @@ def dequantize_w2(weights: PreparedWeights, local: int) -> torch.Tensor:
         return formats.dequantize_fp8_block(weights.w2[local], weights.w2_scale[local], FP8_BLOCK)
     return _dequantize_mx(weights.w2[local], weights.w2_scale[local],
                           None if weights.w2_rowexp is None else weights.w2_rowexp[local],
-                          weights.hidden_size, weights.intermediate_size, paired=True)
+                          weights.hidden_size, weights.intermediate_size)
 
 
 def local_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor) -> torch.Tensor:

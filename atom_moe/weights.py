@@ -250,7 +250,7 @@ def prepared_shapes(spec: MoESpec) -> dict[str, tuple[tuple[int, ...], torch.dty
                 "w2": ((El, H, I), formats.FP8_DTYPE), "w2_scale": ((El, nb_h, nb_i), torch.float32)}
     else:  # MXFP4 as MX tiles (a16w4) or quads (a8w4), padded to 16 rows x 64 k
         if spec.scheme is Scheme.A8W4:  # w13's residuals paired (atom_moe/layouts/mx_quads.py)
-            (v13, s13), (v2, s2) = mx_quads.tiled_shapes(2 * I, H, paired=True), mx_quads.tiled_shapes(H, I, paired=True)
+            (v13, s13), (v2, s2) = mx_quads.tiled_shapes(2 * I, H, paired=True), mx_quads.tiled_shapes(H, I)
         else:
             (v13, s13), (v2, s2) = mx_tiles.tiled_shapes(2 * I, H), mx_tiles.tiled_shapes(H, I)
         out |= {"w13": ((El, *v13), torch.uint8), "w13_scale": ((El, *s13), torch.uint8),
@@ -296,7 +296,7 @@ def plain_mxfp4(p: PreparedWeights, experts: slice | Sequence[int] | torch.Tenso
             raise WeightError("plain_mxfp4: a8w4 MX quads need w13_rowexp and w2_rowexp")
         r13 = pick(require(p.w13_rowexp, GateUpLayout.INTERLEAVED, "w13_rowexp"))
         q13, sc13 = _untile_experts(v13, s13, 2 * I, H, r13, paired=True)
-        q2, sc2 = _untile_experts(pick(p.w2), pick(p.w2_scale), H, I, pick(p.w2_rowexp), paired=True)
+        q2, sc2 = _untile_experts(pick(p.w2), pick(p.w2_scale), H, I, pick(p.w2_rowexp))
     else:
         q13, sc13 = _untile_experts(v13, s13, 2 * I, H)
         q2, sc2 = _untile_experts(pick(p.w2), pick(p.w2_scale), H, I)
@@ -387,7 +387,7 @@ def prepare_mxfp4_local(spec: MoESpec, experts: Iterable[tuple[torch.Tensor, tor
             raise WeightError("prepare_mxfp4_local: each expert is (w13, w13_scale, w2, w2_scale)")
         if st13 is None:
             dev = dev or item[0].device
-            st13, st2 = _MxStack("w13", El, 2 * I, H, dev, quads, quads), _MxStack("w2", El, H, I, dev, quads, quads)
+            st13, st2 = _MxStack("w13", El, 2 * I, H, dev, quads, quads), _MxStack("w2", El, H, I, dev, quads)
         st13.put(count, item[0], item[1])
         st2.put(count, item[2], item[3])
         del item  # the plain copy goes before the next expert's is drawn
@@ -396,7 +396,7 @@ def prepare_mxfp4_local(spec: MoESpec, experts: Iterable[tuple[torch.Tensor, tor
         raise WeightError(f"prepare_mxfp4_local: {count} experts given, the spec has {El} local")
     if st13 is None:  # no local experts
         dev = dev or torch.device("cpu")
-        st13, st2 = _MxStack("w13", 0, 2 * I, H, dev, quads, quads), _MxStack("w2", 0, H, I, dev, quads, quads)
+        st13, st2 = _MxStack("w13", 0, 2 * I, H, dev, quads, quads), _MxStack("w2", 0, H, I, dev, quads)
     kind = GateUpKind.MX_QUADS if quads else GateUpKind.MX_TILES
     flushed = st13.flushed + st2.flushed
     if flushed:

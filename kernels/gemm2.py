@@ -101,7 +101,7 @@ def _gemm2_kernel(a_ptr, as_ptr, stride_as, stride_as_k, w_ptr, ws_ptr, rowexp_p
     # a8w4's activation groups are 64 columns, a K step each (IGROUP)
     a_ptrs, as_ptrs, w_ptrs, w_off, s_off, nb_ok, kb = tile_start(
         a_ptr, rows.to(tl.int64), inter, as_ptr, stride_as, w_ptr, e64, pid_n, n, hidden, inter, row_blocks, k_blocks,
-        IGROUP, FP8, W4, BLOCK_N, BLOCK_K, SCALED, PAIRED=FP8 and W4)
+        IGROUP, FP8, W4, BLOCK_N, BLOCK_K, SCALED)
     ws_lo = ws_ptr  # read only by the fp8 scheme
     ws_hi = ws_ptr
     ws_sel = tl.arange(0, BLOCK_N) >= QGROUP
@@ -130,8 +130,7 @@ def _gemm2_kernel(a_ptr, as_ptr, stride_as, stride_as_k, w_ptr, ws_ptr, rowexp_p
     acc = k_loop(a_ptrs, as_ptrs, stride_as_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, ws_hi, ws_sel, n_ok, w_off, s_off,
                  nb_ok, kb, k_blocks, inter, k_lo, k_hi, a_desc, pid_m * BLOCK_M, w_desc,
                  (expert * hidden + pid_n * BLOCK_N).to(tl.int32),
-                 IGROUP, FP8, W4, BIG, BLOCK_M, BLOCK_N, BLOCK_K, INTERP, SCALED, TMA_A, TMA_W,
-                 PAIRED=FP8 and W4)
+                 IGROUP, FP8, W4, BIG, BLOCK_M, BLOCK_N, BLOCK_K, INTERP, SCALED, TMA_A, TMA_W)
     acc = tile_finish(acc, rowexp_ptr, bias_ptr, e64, n, n_ok, hidden, FP8, W4, HAS_BIAS and SPLIT == 1)
     if HAS_BIAS and SPLIT > 1:  # once per row: by slice 0 (the flag as a vector: triton 3.9's interpreter)
         first = (tl.zeros([BLOCK_N], tl.int32) + tl.program_id(1)) == 0
@@ -278,7 +277,7 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
         if hidden is None:
             raise ValueError("GEMM2: MXFP4 (MX tile) weights need hidden=H: the tiles are padded to 16 rows")
         w2, w2_scale, row_blocks, k_blocks = launch_args("GEMM2", "w2", w2, w2_scale, hidden, inter, block_n, block_k,
-                                                         quads=fp8, paired=fp8)
+                                                         quads=fp8)
         rowexp = rowexp_arg("GEMM2", "w2_rowexp", w2_rowexp, w2.shape[0], hidden) if fp8 else w2
     else:
         if hidden is not None and hidden != w2.shape[1]:
@@ -287,7 +286,7 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
     if not w4 and w2.shape[2] != inter:
         raise ValueError(f"GEMM2: w2 {tuple(w2.shape)} does not match the activation width I={inter}")
     igroup = A8W4_INTER_GROUP if w4 else GROUP
-    if fp8 and block_k != igroup and not (w4 and block_k == 2 * igroup):  # one activation scale per group
+    if fp8 and block_k != igroup:  # one activation scale per K step
         raise ValueError(f"{'a8w4' if w4 else 'fp8'} GEMM2 needs block_k={igroup} (its activation's quant group), "
                          f"got {block_k}")
     if fp8 and not w4 and block_n > 2 * GROUP:  # kernel: the tile's two block scales per K group

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .common import QGROUP, cast, checked_ids, dot, tile_ids
-from .mxfp4 import PRMT_OK, row_factor, scale_step, swap_step, swap_step_groups, tile_offsets
+from .mxfp4 import row_factor, scale_step, swap_step, tile_offsets
 
 
 @triton.jit
@@ -70,9 +70,8 @@ def tile_start(a_ptr, a_rows, stride_a, as_ptr, stride_as, w_ptr, e64, pid_n, n,
     paired residuals). What a
     scheme does not use is returned unread (the bare pointers, zeros).
     """
-    A_STEP: tl.constexpr = AGROUP if (W4 and FP8 and AGROUP < BLOCK_K) else BLOCK_K  # one group per load
-    kk = tl.arange(0, A_STEP)
-    if W4:  # activation^T tiles [A_STEP, BLOCK_M]
+    kk = tl.arange(0, BLOCK_K)
+    if W4:  # activation^T tiles [BLOCK_K, BLOCK_M]
         a_ptrs = a_ptr + a_rows[None, :] * stride_a + kk[:, None]
     else:
         a_ptrs = a_ptr + a_rows[:, None] * stride_a + kk[None, :]
@@ -108,8 +107,7 @@ def k_loop(a_ptrs, as_ptrs, stride_as_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, w
     [E * n_total, K] (rows past the expert's last belong to the next expert or are zeros: their
     columns are never stored), both through TMA (common.tile_desc).
     """
-    GROUPS: tl.constexpr = BLOCK_K // AGROUP if (W4 and FP8 and AGROUP < BLOCK_K) else 1
-    kk = tl.arange(0, BLOCK_K // GROUPS)
+    kk = tl.arange(0, BLOCK_K)
     a_ptrs += k_lo
     if W4:  # the MX offsets start at k = 0: skip k_lo / BLOCK_K steps
         w_off += (k_lo // BLOCK_K) * ((BLOCK_K // 64) * 128)
@@ -127,9 +125,6 @@ def k_loop(a_ptrs, as_ptrs, stride_as_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, w
         # an empty last split-K slice starts past K: its first scale is not read
         first = (tl.zeros([BLOCK_M], tl.int32) + k_lo) < K
         a_s_next = tl.load(as_ptrs + (k_lo // AGROUP) * stride_as_k, mask=row_ok & first, other=0.0)
-        if GROUPS == 2:
-            second = (tl.zeros([BLOCK_M], tl.int32) + k_lo + AGROUP) < K
-            a_s_next_hi = tl.load(as_ptrs + (k_lo // AGROUP + 1) * stride_as_k, mask=row_ok & second, other=0.0)
     k_end = k_hi
     if W4:  # at least one step (an empty split-K slice loads only masked zeros): with a path that skips the
         # loop, its zeroed accumulator sat inside the wgmma pipeline and ptxas serialized every wgmma at the
@@ -140,24 +135,13 @@ def k_loop(a_ptrs, as_ptrs, stride_as_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, w
         k_ok = (k0 + kk) < K
         if W4:
             a = tl.load(a_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
-            if GROUPS == 2:  # the step's second activation group
-                a_hi = tl.load(a_ptrs + AGROUP, mask=((k0 + AGROUP + kk) < K)[:, None] & row_ok[None, :], other=0.0)
         elif TMA_A:
             a = a_desc.load([a_row, k0])
         else:
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if W4:
             if FP8:
-                if GROUPS == 2:  # both groups' scales, one step ahead
-                    a_s = a_s_next
-                    a_s_hi = a_s_next_hi
-                    nxt = (tl.zeros([BLOCK_M], tl.int32) + (k0 + BLOCK_K)) < K
-                    nxt_hi = (tl.zeros([BLOCK_M], tl.int32) + (k0 + BLOCK_K + AGROUP)) < K
-                    a_s_next = tl.load(as_ptrs + ((k0 + BLOCK_K) // AGROUP) * stride_as_k, mask=row_ok & nxt,
-                                       other=0.0)
-                    a_s_next_hi = tl.load(as_ptrs + ((k0 + BLOCK_K) // AGROUP + 1) * stride_as_k,
-                                          mask=row_ok & nxt_hi, other=0.0)
-                elif BLOCK_M >= 128:
+                if BLOCK_M >= 128:
                     a_s = tl.load(as_ptrs + (k0 // AGROUP) * stride_as_k, mask=row_ok, other=0.0)
                 else:
                     a_s = a_s_next
@@ -166,12 +150,8 @@ def k_loop(a_ptrs, as_ptrs, stride_as_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, w
                     more = (tl.zeros([BLOCK_M], tl.int32) + (k0 + BLOCK_K)) < K
                     a_s_next = tl.load(as_ptrs + ((k0 + BLOCK_K) // AGROUP) * stride_as_k, mask=row_ok & more,
                                        other=0.0)
-                if GROUPS == 2:
-                    acc = swap_step_groups(acc, a, a_hi, a_s, a_s_hi, w_ptr, ws_ptr, w_off, s_off, nb_ok, kb, k0,
-                                           k_blocks, BLOCK_N, BLOCK_K, BIG, PAIRED, not INTERP and PRMT_OK)
-                else:
-                    acc = swap_step(acc, a, a_s, w_ptr, ws_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks,
-                                    BLOCK_N, BLOCK_M, BLOCK_K, FP8, BIG, INTERP, SCALED, PAIRED)
+                acc = swap_step(acc, a, a_s, w_ptr, ws_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks,
+                                BLOCK_N, BLOCK_M, BLOCK_K, FP8, BIG, INTERP, SCALED, PAIRED)
             else:
                 if a_ptrs.dtype.element_ty != tl.bfloat16:  # a16w4 dots in bf16
                     a = cast(a.to(tl.float32), tl.bfloat16, INTERP)

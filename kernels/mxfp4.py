@@ -369,19 +369,6 @@ def swap_step(acc, a, a_s, w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks, 
 
 
 @triton.jit
-def swap_step_groups(acc, a_lo, a_hi, s_lo, s_hi, w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLUSH: tl.constexpr, PAIRED: tl.constexpr,
-                     PRMT: tl.constexpr):
-    """acc^T plus one 128-k step of W @ a^T over MX quads whose activation comes in two 64-groups, a_lo / a_hi
-    [64, BLOCK_M] with their scales s_lo / s_hi: the tile is loaded and decoded once, then dotted in halves."""
-    words, swords = load_tile(w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks, PAIRED)
-    w = tile_e4m3(words, swords, BLOCK_N, BLOCK_K, FLUSH, PRMT)
-    w_lo, w_hi = tl.split(tl.permute(tl.reshape(w, (BLOCK_N, 2, BLOCK_K // 2)), (0, 2, 1)))
-    acc = acc + tl.dot(w_lo, a_lo) * s_lo[None, :]
-    return acc + tl.dot(w_hi, a_hi) * s_hi[None, :]
-
-
-@triton.jit
 def _dequant_kernel(w_ptr, s_ptr, out_ptr, n_rows, k, row_blocks, k_blocks, BIG: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERP: tl.constexpr):
     pid_n = tl.program_id(0)

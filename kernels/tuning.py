@@ -80,7 +80,7 @@ class TileConfig:
             raise ConfigError(f"fp8 needs block_n2 <= 256 (at most two 128-row blocks of w2's scales), got "
                               f"{self.block_n2}")
         if scheme == "a8w4" and (self.block_n1 not in (128, 256) or self.block_k1 not in (64, 128)
-                                 or self.block_k2 not in (64, 128)):
+                                 or self.block_k2 != 64):
             raise ConfigError(f"a8w4 needs block_n1 in (128, 256), block_k1 in (64, 128) and block_k2=64 (whole "
                               f"64-groups of GEMM2's input), got {self.block_n1}, {self.block_k1}, {self.block_k2}")
         for name in ("split_k1", "split_k2"):

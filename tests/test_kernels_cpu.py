@@ -275,7 +275,7 @@ def test_tile_configs_agree(seed, scheme):
         if mx:
             k = max(k, 64)
         # a8w4: GEMM1 128 or 256 rows wide (one or two 64-groups of GEMM2's input), GEMM2 steps K by 64
-        n1, k1, k2 = (256, 128, 128) if scheme == "fp8" else (128 if bm != 32 else 256, k, 64 if k < 128 else 128) \
+        n1, k1, k2 = (256, 128, 128) if scheme == "fp8" else (128 if bm != 32 else 256, k, 64) \
             if scheme == "a8w4" else (32, k, k)
         cfg = TileConfig(bm, n1, k1, base.warps1, 2, n2, k2, base.warps2, 2, group_m=2)
         got = fused_experts(x, w, ids, p, spec, config=cfg)
