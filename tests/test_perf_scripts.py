@@ -212,12 +212,13 @@ def test_every_table_variant_builds_for_amd():
     # the served presets' GEMM2 as their heuristic picks launch it: top-k 9 (GLM-5.2) and 6 (V4.1), both combines
     served = {(f[0], f[8], f[9]) for f in fields if f[1] == "gemm2"}
     assert {(a, k, sep) for a in ("gfx942", "gfx950") for k in ("9", "6") for sep in ("True", "False")} <= served
-    # split-K launches: GEMM1's two phases and GEMM2's counter-combine launch (gpt-oss's a8w4 rows split both),
-    # and a8w4's T = 1 heuristic pick for GLM-5.2-TP8 (36 GEMM1 programs: split 2) with pair blocks
+    # split-K launches: GEMM1's two phases (a8w4 rows split it, e.g. GLM-5.2-TP4 at T = 8) and GEMM2's counter-combine
+    # launch (gpt-oss's a16w4 row at T = 1 splits it), and a8w4's T = 1 heuristic pick for GLM-5.2-TP8 (36 GEMM1
+    # programs: split 2) with pair blocks
     splits = {(f[0], f[1], f[2], f[10], f[12], f[14]) for f in fields if "split" in f}
     for arch in ("gfx942", "gfx950"):
         assert {(arch, "gemm1", "a8w4", "0", "2", "1"), (arch, "gemm1", "a8w4", "0", "2", "2")} <= splits
-        assert any(s[:3] == (arch, "gemm2", "a8w4") for s in splits)
+        assert any(s[:3] == (arch, "gemm2", "a16w4") for s in splits)
         assert {(arch, "gemm1", "a8w4", "6144", "2", "1"), (arch, "gemm1", "a8w4", "6144", "2", "2")} <= splits
     # T = 1's pair blocks (field 10: H) for every scheme, both GEMMs, at each served top-k and gpt-oss's H 2880
     pairs = {(f[0], f[1], f[2], f[8], f[10]) for f in fields if f[10] != "0"}
