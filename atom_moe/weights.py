@@ -7,7 +7,7 @@ Prepared weight formats by scheme (E_l = local experts, tags from atom_moe.layou
 | bf16        | bf16 [E_l, 2I, H]           | None                                | bf16 [E_l, H, I]   | None                   |
 | fp8         | e4m3 [E_l, 2I, H]           | fp32 [E_l, ceil(I/128), 2, ceil(H/128)] (BLOCK_SCALE) | e4m3 [E_l, H, I] | fp32 [E_l, ceil(H/128), ceil(I/128)] |
 | a16w4       | uint8 MX tiles [E_l, ceil(2I/16), ceil(H/64), 512] (MX_TILES) | uint8 [E_l, ceil(2I/16), ceil(H/64), 32] (MX_TILES) | uint8 [E_l, ceil(H/16), ceil(I/64), 512] | uint8 [E_l, ceil(H/16), ceil(I/64), 32] |
-| a8w4        | the same shapes as MX quads (MX_QUADS)   | paired residual bytes uint8 [E_l, ceil(2I/16), ceil(H/128), 64] (MX_QUADS) | MX quads | residual bytes, as a16w4's scales |
+| a8w4        | MX quads, same shapes (MX_QUADS) | paired residual bytes (MX_QUADS, below) | MX quads | residual bytes |
 
 a16w4 weights are stored only as MX tiles (atom_moe.layouts.mx_tiles: e2m1 codes and e8m0 scales
 repacked for the kernels' mma fragments, N padded to 16 and K to 64 with zero codes and
@@ -16,7 +16,9 @@ scale byte 0). w13's rows are tiled in INTERLEAVED order [g0, u0, g1, u1, ...].
 e8m0 [E_l, 2I, H/32], [E_l, H, I/2], [E_l, H, I/32]) for oracles and baselines; the plain
 copy is never kept. `mx_scale_max` records the largest e8m0 byte of both (0 for bf16/fp8).
 a8w4 stores MX quads instead (atom_moe.layouts.mx_quads: e4m3 mma word order, scales as residuals of a
-per-row exponent; w13's residuals paired per 128 k for GEMM1's 128-k step, w2's in plain order), with w13_rowexp uint8 [E_l, 2I] INTERLEAVED and w2_rowexp uint8 [E_l, H];
+per-row exponent), with w13_rowexp uint8 [E_l, 2I] INTERLEAVED and w2_rowexp uint8 [E_l, H]. w13's residuals
+are paired per 128 k for GEMM1's 128-k step, uint8 [E_l, ceil(2I/16), ceil(H/128), 64]; w2's keep the plain
+order, a16w4's scale shape [E_l, ceil(H/16), ceil(I/64), 32].
 `mx_flush` says whether some block is flushed (more than 2^11 below its row's largest scale);
 preparation warns with the count when it is.
 

@@ -101,7 +101,8 @@ def k_loop(a_ptrs, as_ptrs, stride_as_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, w
     a function of tl.arange alone so that the compiler sees each register's kind; w_off, s_off, nb_ok, kb:
     the MX tile offsets (W4, from mxfp4.tile_offsets). Pointers of the unused kind are never read. k_lo > 0 (split-K)
     must be a multiple of BLOCK_K; K bounds the masks. SCALED: a8w4 through tl.dot_scaled
-    (kernels/mxfp4.py); PAIRED: a8w4's residuals paired (w13, atom_moe/layouts/mx_quads.py). TMA_A / TMA_W (bf16, fp8): the activation tile comes from a_desc at rows
+    (kernels/mxfp4.py); PAIRED: a8w4's residuals paired (w13, atom_moe/layouts/mx_quads.py). TMA_A / TMA_W
+    (bf16, fp8): the activation tile comes from a_desc at rows
     [a_row, a_row + BLOCK_M) (they must be consecutive; rows that hold no pair load what is there, and
     their results are never stored), the weight tile from w_desc at rows [w_row, w_row + BLOCK_N) of
     [E * n_total, K] (rows past the expert's last belong to the next expert or are zeros: their

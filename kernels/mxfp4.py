@@ -89,7 +89,7 @@ def tile_offsets(expert64, pid_n, row_blocks, k_blocks, BLOCK_N: tl.constexpr, B
     w_off = blk[:, :, None, None] * 128 + lane_j[None, None, :, :]
     if PAIRED:  # 64 bytes per row block and pair of K blocks: byte g * 8 + t * 4 + j
         first = (expert64 * row_blocks + nb) * ((k_blocks + 1) // 2) * 64  # [NB] each row block's first pair
-    if QUADS and SCALED and PAIRED:  # row r = 16 nb + 8 h + g, block c = 2 kb + s: byte g*8 + t*4 + 2s + h of pair kb//2
+    if QUADS and SCALED and PAIRED:  # row 16 nb + 8 h + g, block c = 2 kb + s: byte g*8 + t*4 + 2s + h of pair kb//2
         r = tl.arange(0, BLOCK_N)[:, None]
         c = tl.arange(0, BLOCK_K // 32)[None, :]
         s_off = ((expert64 * row_blocks + pid_n * NB + r // 16) * ((k_blocks + 1) // 2) + c // 4) * 64 \
