@@ -185,7 +185,8 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     `config` (a kernels.tuning.TileConfig) overrides the table lookup; `out` (optional,
     [T, H] in x.dtype, last dim contiguous) receives the result. Used by the symm transport:
     `x_scale` marks x as already e4m3 per token-group-128 (fp8-activation schemes skip the
-    quant), and `remote` (kernels.gemm2.RemoteOutput) pushes the results to the source
+    quant; a8w4's holds one scale per token stored once per group, as
+    formats.quantize_fp8_per_token_grouped writes it: GEMM1 reads each token's first), and `remote` (kernels.gemm2.RemoteOutput) pushes the results to the source
     ranks instead; the call then returns None. `combine` forces GEMM2's top-k combine:
     "counter" (inside GEMM2) or "separate" (a fourth launch, local output only); default by
     pair count (kernels.gemm2.SEPARATE_MIN_PAIRS). `pair_blocks` skips the routing launch: each
@@ -252,7 +253,7 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
                                  ws.cursor, x, out, ws.counters, ws.n_counters,
                                  xq=ws.x_q if quant else None, xs=ws.x_scale if quant else None,
                                  sent=(remote.info, remote.capacity) if remote is not None else None,
-                                 chunk_counts=ws.chunk_counts, pdl=pdl)
+                                 chunk_counts=ws.chunk_counts, pdl=pdl, row_scale=spec.scheme.x_per_token)
     act = spec.activation
     # the workspace holds max_tokens rows; GEMM1 takes its pair count from x's rows, so pass T of them
     x1, x1_scale = (x, x_scale) if pre_quantized else (ws.x_q[:T], ws.x_scale[:T]) if fp8 else (x, None)

@@ -158,6 +158,13 @@ def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return _fp8_from_groups(x, (-1,))
 
 
+def quantize_fp8_per_token_grouped(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., K] -> (e4m3 [..., K], fp32 scales [..., ceil(K/group)]): one scale per row, stored once per group, so
+    the result reads like quantize_fp8_per_group's (a8w4's GEMM1 input, Scheme.x_per_token)."""
+    q, s = quantize_fp8_per_token(x)
+    return q, s.expand(*s.shape[:-1], -(-x.shape[-1] // group)).contiguous()
+
+
 def _pad_last(x: torch.Tensor, multiple: int) -> torch.Tensor:
     pad = (-x.shape[-1]) % multiple
     return torch.nn.functional.pad(x, (0, pad)) if pad else x

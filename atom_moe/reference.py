@@ -78,6 +78,9 @@ def apply_activation(gate: torch.Tensor, up: torch.Tensor, activation: Activatio
 
 def quant_dequant_activations(a: torch.Tensor, scheme: Scheme, *, inter: bool = False) -> torch.Tensor:
     """What the scheme does to an activation before a GEMM, as fp32 values (inter: GEMM2's input)."""
+    if scheme.x_per_token and not inter:
+        q, s = formats.quantize_fp8_per_token(a)
+        return q.float() * s
     if scheme.fp8_activations:
         group = scheme.inter_group if inter else FP8_BLOCK
         q, s = formats.quantize_fp8_per_group(a, group)

@@ -27,7 +27,7 @@ class Scheme(str, enum.Enum):
     BF16 = "bf16"  # bf16 weights and activations
     FP8 = "fp8"  # e4m3 weights with 128x128 block scales, activations per-token-group-128
     A16W4 = "a16w4"  # MXFP4 weights, bf16 activations
-    A8W4 = "a8w4"  # MXFP4 weights, e4m3 activations (x per token-group-128, GEMM2's input per group-64)
+    A8W4 = "a8w4"  # MXFP4 weights, e4m3 activations (x per token, GEMM2's input per token-group-64)
 
     @classmethod
     def parse(cls, value: "str | Scheme") -> "Scheme":
@@ -47,6 +47,15 @@ class Scheme(str, enum.Enum):
     @property
     def fp8_activations(self) -> bool:
         return self in (Scheme.FP8, Scheme.A8W4)
+
+    @property
+    def x_per_token(self) -> bool:
+        """GEMM1's e4m3 input has one scale per token (a8w4), not one per 128-group (fp8).
+
+        The scale is stored once per 128-group all the same, so x_scale keeps fp8's [T, ceil(H/128)] shape (the
+        workspace, the EP wires): GEMM1 then keeps a single fp8 accumulator over K and applies the token's scale
+        after the loop (kernels/mainloop.py `k_loop`, docs/perf/a8w4-one-accumulator-h100.md)."""
+        return self is Scheme.A8W4
 
     @property
     def inter_group(self) -> int:

@@ -17,9 +17,9 @@ the decoded weight tile [BLOCK_N, BLOCK_K] as the dot's left operand, straight f
 registers the MX tile layout fills, with no shared-memory staging of the weights, and
 transposes the accumulator once after the loop, so the epilogue is the same as for bf16/fp8.
 On an H200 this beat the weight-as-right-operand orientation 2.3-3.4x at T = 2048 and 8192
-(docs/perf/mxfp4-h200.md). a8w4 reads MX quads instead and dots in fp8 (kernels/mxfp4.py), with
-the activation scale applied to each K step's product (a second accumulator) and each output
-row's exponent after the loop.
+(docs/perf/mxfp4-h200.md). a8w4 reads MX quads instead and dots in fp8 (kernels/mxfp4.py) into one
+accumulator over all of K: its x has one scale per token (atom_moe.spec.Scheme.x_per_token), applied
+with each output row's exponent after the loop.
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, stride_xs, stride_xs_k, w_ptr, ws_ptr
                                        emap_ptr, num_experts, PAIRS)
     if PAIRS and PHASE != 2:  # no routing launch ran: its per-token work is done here (kernels/routing.py)
         token_duties(pid_m, pid_n, expert, ids_ptr, emap_ptr, num_experts, src_ptr, stride_src, x_ptr, xs_ptr,
-                     counters_ptr, n_counters, layer_out_ptr, stride_layer_out, hidden, top_k, KP2, FP8, HG, INTERP)
+                     counters_ptr, n_counters, layer_out_ptr, stride_layer_out, hidden, top_k, KP2, FP8, HG, INTERP,
+                     ROW_SCALE=FP8 and W4)
     if expert < 0:
         return
     e64 = expert.to(tl.int64)
@@ -111,7 +112,7 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, stride_xs, stride_xs_k, w_ptr, ws_ptr
                      s_off, nb_ok, kb, k_blocks, hidden, k_lo, k_hi, x_ptr, 0, w_desc,
                      (expert * n_out + pid_n * BLOCK_N).to(tl.int32),
                      QGROUP, FP8, W4, BIG, BLOCK_M, BLOCK_N, BLOCK_K, INTERP, SCALED, TMA_W=TMA_W,
-                     PAIRED=FP8 and W4)
+                     PAIRED=FP8 and W4, ROW_SCALE=FP8 and W4)
         if PHASE == 1:
             tl.store(p_ptrs + tl.program_id(1) * slab, acc, mask=p_mask)
             return
@@ -150,13 +151,13 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, stride_xs, stride_xs_k, w_ptr, ws_ptr
 @triton.jit
 def token_duties(pid_m, pid_n, expert, ids_ptr, emap_ptr, num_experts, src_ptr, stride_src, xq_ptr, xs_ptr,
                  counters_ptr, n_counters, out_ptr, stride_out, hidden, top_k, KP2: tl.constexpr,
-                 QUANT: tl.constexpr, HG: tl.constexpr, INTERP: tl.constexpr):
+                 QUANT: tl.constexpr, HG: tl.constexpr, INTERP: tl.constexpr, ROW_SCALE: tl.constexpr = False):
     """The routing launch's per-token work for pair block pid_m (pair pid_m, token pid_m // top_k).
 
     The token's first pair, column tile 0, first K slice zeroes the token's combine counters and,
     when no slot is local, its output row. With e4m3 activations (QUANT) every program with work
-    quantizes the token's row into xq / xs itself (the same bytes whichever program writes them)
-    and reads it back after a barrier: no program waits on another.
+    quantizes the token's row into xq / xs itself (the same bytes whichever program writes them;
+    ROW_SCALE: one scale for the row, a8w4) and reads it back after a barrier: no program waits on another.
     """
     tok = (pid_m // top_k).to(tl.int64)
     if (pid_m % top_k == 0) & (pid_n == 0) & (tl.program_id(1) == 0):
@@ -165,7 +166,7 @@ def token_duties(pid_m, pid_n, expert, ids_ptr, emap_ptr, num_experts, src_ptr, 
             zero_row(tok, 0, out_ptr, stride_out, hidden, QGROUP, HG)
     if QUANT:
         if expert >= 0:
-            quant_row(tok, 0, src_ptr, stride_src, xq_ptr, xs_ptr, hidden, QGROUP, HG, INTERP)
+            quant_row(tok, 0, src_ptr, stride_src, xq_ptr, xs_ptr, hidden, QGROUP, HG, INTERP, ROW_SCALE)
             tl.debug_barrier()  # this program's K loop reads the row back
 
 
@@ -183,7 +184,8 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
     gpt-oss's clamped gate * sigmoid(alpha * gate) * (up + 1).
 
     MXFP4 w13 comes as MX tiles (a16w4; mx_big: some e8m0 scale is above 128) or, with e4m3
-    activations (a8w4), as MX quads with paired residuals and their row exponents w13_rowexp_t (mx_flush: some
+    activations (a8w4: x_scale holds one scale per token, stored once per 128-group; only the first is
+    read), as MX quads with paired residuals and their row exponents w13_rowexp_t (mx_flush: some
     blocks are flushed, atom_moe/layouts/mx_quads.py). split_k > 1 splits K that many
     ways over a second grid axis and adds the slices in a second launch, through `partial` (fp32,
     >= split_k * T * top_k * 2I elements: GEMM2's scratch, free while GEMM1 runs; allocate_workspace

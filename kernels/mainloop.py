@@ -9,7 +9,9 @@ both epilogues start from `tile_finish`; the loop itself, for every scheme:
 - fp8: the same in e4m3 with per-(token, 128-group) and per-128x128-block scales folded into
   each step's product;
 - MXFP4 (a16w4, a8w4) "swapped": acc^T[N, M] += W @ a^T with W decoded in registers from MX
-  tiles / MX quads (kernels/mxfp4.py); a8w4's activation scales are loaded one K step ahead,
+  tiles / MX quads (kernels/mxfp4.py). a8w4's GEMM1 (ROW_SCALE: one activation scale per token)
+  keeps one fp8 accumulator over all of K and applies the scale after the loop; its GEMM2 (a scale
+  per token-group-64) applies each step's scales to that step's product, loaded one K step ahead,
   since a plain load would stall every step.
 
 A @triton.jit helper is inlined into its caller, so each GEMM compiles to the code it had
@@ -90,7 +92,7 @@ def k_loop(a_ptrs, as_ptrs, stride_as_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, w
            kb, k_blocks, K, k_lo, k_hi, a_desc, a_row, w_desc, w_row, AGROUP: tl.constexpr, FP8: tl.constexpr,
            W4: tl.constexpr, BIG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
            INTERP: tl.constexpr, SCALED: tl.constexpr = False, TMA_A: tl.constexpr = False,
-           TMA_W: tl.constexpr = False, PAIRED: tl.constexpr = False):
+           TMA_W: tl.constexpr = False, PAIRED: tl.constexpr = False, ROW_SCALE: tl.constexpr = False):
     """The fp32 accumulator of one tile over k in [k_lo, k_hi): [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] for W4.
 
     a_ptrs: activation tile pointers ([BLOCK_M, BLOCK_K], or [BLOCK_K, BLOCK_M] for W4) at k = 0;
@@ -101,7 +103,9 @@ def k_loop(a_ptrs, as_ptrs, stride_as_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, w
     a function of tl.arange alone so that the compiler sees each register's kind; w_off, s_off, nb_ok, kb:
     the MX tile offsets (W4, from mxfp4.tile_offsets). Pointers of the unused kind are never read. k_lo > 0 (split-K)
     must be a multiple of BLOCK_K; K bounds the masks. SCALED: a8w4 through tl.dot_scaled
-    (kernels/mxfp4.py); PAIRED: a8w4's residuals paired (w13, atom_moe/layouts/mx_quads.py). TMA_A / TMA_W
+    (kernels/mxfp4.py); PAIRED: a8w4's residuals paired (w13, atom_moe/layouts/mx_quads.py); ROW_SCALE (a8w4's
+    GEMM1): each row's activation scales are all one (atom_moe.spec.Scheme.x_per_token), so the K loop keeps one
+    accumulator and the first is applied after it (docs/perf/a8w4-one-accumulator-h100.md). TMA_A / TMA_W
     (bf16, fp8): the activation tile comes from a_desc at rows
     [a_row, a_row + BLOCK_M) (they must be consecutive; rows that hold no pair load what is there, and
     their results are never stored), the weight tile from w_desc at rows [w_row, w_row + BLOCK_N) of
@@ -126,6 +130,7 @@ def k_loop(a_ptrs, as_ptrs, stride_as_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, w
         # an empty last split-K slice starts past K: its first scale is not read
         first = (tl.zeros([BLOCK_M], tl.int32) + k_lo) < K
         a_s_next = tl.load(as_ptrs + (k_lo // AGROUP) * stride_as_k, mask=row_ok & first, other=0.0)
+        a_s_row = a_s_next  # ROW_SCALE: the row's one scale
     k_end = k_hi
     if W4:  # at least one step (an empty split-K slice loads only masked zeros): with a path that skips the
         # loop, its zeroed accumulator sat inside the wgmma pipeline and ptxas serialized every wgmma at the
@@ -142,7 +147,9 @@ def k_loop(a_ptrs, as_ptrs, stride_as_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, w
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if W4:
             if FP8:
-                if BLOCK_M >= 128:
+                if ROW_SCALE:
+                    a_s = a_s_row  # unread: the step's product goes straight into the accumulator
+                elif BLOCK_M >= 128:
                     a_s = tl.load(as_ptrs + (k0 // AGROUP) * stride_as_k, mask=row_ok, other=0.0)
                 else:
                     a_s = a_s_next
@@ -152,7 +159,7 @@ def k_loop(a_ptrs, as_ptrs, stride_as_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, w
                     a_s_next = tl.load(as_ptrs + ((k0 + BLOCK_K) // AGROUP) * stride_as_k, mask=row_ok & more,
                                        other=0.0)
                 acc = swap_step(acc, a, a_s, w_ptr, ws_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks,
-                                BLOCK_N, BLOCK_M, BLOCK_K, FP8, BIG, INTERP, SCALED, PAIRED)
+                                BLOCK_N, BLOCK_M, BLOCK_K, FP8, BIG, INTERP, SCALED, PAIRED, ROW_SCALE)
             else:
                 if a_ptrs.dtype.element_ty != tl.bfloat16:  # a16w4 dots in bf16
                     a = cast(a.to(tl.float32), tl.bfloat16, INTERP)
@@ -180,6 +187,8 @@ def k_loop(a_ptrs, as_ptrs, stride_as_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, w
                 acc = dot(a, w, acc, INTERP)
             w_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
+    if W4 and FP8 and ROW_SCALE:
+        acc = acc * a_s_row[None, :]
     return acc
 
 

@@ -345,11 +345,13 @@ def row_factor(rowexp_ptr, e64, n, n_ok, n_rows):
 @triton.jit
 def swap_step(acc, a, a_s, w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks, BLOCK_N: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, BIG: tl.constexpr,
-              INTERP: tl.constexpr, SCALED: tl.constexpr = False, PAIRED: tl.constexpr = False):
+              INTERP: tl.constexpr, SCALED: tl.constexpr = False, PAIRED: tl.constexpr = False,
+              ROW_SCALE: tl.constexpr = False):
     """acc^T [BLOCK_N, BLOCK_M] plus one K step of W @ a^T. a is [BLOCK_K, BLOCK_M]: bf16 against
     MX tiles, or (FP8) e4m3 against MX quads, with per-token scales a_s applied to the step's fp8
-    product (BIG: MX tiles' scales above 128; for MX quads it is FLUSH); SCALED: MX quads through
-    tl.dot_scaled; PAIRED: their residuals paired (tile_offsets)."""
+    product (ROW_SCALE: not applied, the caller scales the sum; a_s is unread) (BIG: MX tiles' scales above 128;
+    for MX quads it is FLUSH); SCALED: MX quads through tl.dot_scaled; PAIRED: their residuals paired
+    (tile_offsets)."""
     words, swords = load_tile(w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks, PAIRED)
     if FP8 and SCALED:
         codes = tile_e2m1(words, swords, BLOCK_N, BLOCK_K, BIG)
@@ -357,11 +359,16 @@ def swap_step(acc, a, a_s, w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks, 
             step = dot_scaled_emulated(codes, quad_scales(swords), a, BLOCK_N, BLOCK_K)
         else:
             step = tl.dot_scaled(codes, quad_scales(swords), "e2m1", a, None, "e4m3")
-        acc = acc + step * a_s[None, :]
+        if ROW_SCALE:
+            acc = acc + step
+        else:
+            acc = acc + step * a_s[None, :]
     elif FP8:
         w = tile_e4m3(words, swords, BLOCK_N, BLOCK_K, BIG, not INTERP and PRMT_OK)
-        step = tl.dot(w, a)
-        acc = acc + step * a_s[None, :]
+        if ROW_SCALE:  # one accumulator: no second register tile, no per-step scale multiply
+            acc = tl.dot(w, a, acc)
+        else:
+            acc = acc + tl.dot(w, a) * a_s[None, :]
     else:
         w = tile_bf16(words, swords, BLOCK_N, BLOCK_K, BIG, INTERP)
         acc = dot(w, a, acc, INTERP)

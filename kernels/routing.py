@@ -8,7 +8,8 @@ where GEMM1 splits K):
   programs 1..   : one per (token, 1024-column chunk): zero the token's GEMM2 combine
                    counters, zero its output columns when no slot is local (nobody else
                    would write them), and for fp8 quantize its input per group of 128
-                   (so GEMM1 streams e4m3). Chunks keep this at one memory round trip.
+                   (so GEMM1 streams e4m3; a8w4: per token, one chunk holding the whole
+                   row). Chunks keep this at one memory round trip.
 Program 0 walks every pair twice on one SM, so its time grows with T*k: 5-8 us per 1024
 pairs on an H200 (120 us at 16k pairs, 312-495 us at 64k, 3% of the layer). Above
 SPLIT_PAIRS pairs (and when the caller passes a `chunk_counts` scratch) the sort is spread
@@ -266,7 +267,7 @@ def _token_work(t64, chunk, ids_ptr, emap_ptr, x_ptr, stride_x, xq_ptr, xs_ptr, 
             zero_row(t64, chunk, out_ptr, stride_out, hidden, GROUP, GPC)
     if QUANT:
         if n_local > 0:  # a token no local expert reads needs no quantized copy
-            quant_row(t64, chunk, x_ptr, stride_x, xq_ptr, xs_ptr, hidden, GROUP, GPC, EMULATE)
+            quant_row(t64, chunk, x_ptr, stride_x, xq_ptr, xs_ptr, hidden, GROUP, GPC, EMULATE, QUANT == 2)
 
 
 @triton.jit
@@ -294,15 +295,20 @@ def zero_row(t64, chunk, out_ptr, stride_out, hidden, GROUP: tl.constexpr, GPC: 
 
 @triton.jit
 def quant_row(t64, chunk, x_ptr, stride_x, xq_ptr, xs_ptr, hidden, GROUP: tl.constexpr, GPC: tl.constexpr,
-              EMULATE: tl.constexpr):
-    """e4m3 copy of columns [chunk * GPC * GROUP, +GPC * GROUP) of x row t64, one fp32 scale per GROUP."""
+              EMULATE: tl.constexpr, ROW_SCALE: tl.constexpr = False):
+    """e4m3 copy of columns [chunk * GPC * GROUP, +GPC * GROUP) of x row t64, one fp32 scale per GROUP (ROW_SCALE:
+    the chunk is the whole row, and each group stores the row's one scale)."""
     g = chunk * GPC + tl.arange(0, GPC)
     k = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     km = k < hidden
     v = tl.load(x_ptr + t64 * stride_x + k, mask=km, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(v), 1)
-    # + sum(|v| * 0): NaN for a group holding NaN or Inf (the scale goes NaN, formats.md), else 0
-    scale = tl.where(amax > 0, amax / FP8_MAX, 1.0) + tl.sum(tl.abs(v) * 0.0, 1)
+    nan = tl.sum(tl.abs(v) * 0.0, 1)
+    if ROW_SCALE:
+        amax = tl.zeros([GPC], tl.float32) + tl.max(amax, 0)
+        nan = tl.zeros([GPC], tl.float32) + tl.sum(nan, 0)
+    # + sum(|v| * 0): NaN for a group (ROW_SCALE: a row) holding NaN or Inf (the scale goes NaN, formats.md), else 0
+    scale = tl.where(amax > 0, amax / FP8_MAX, 1.0) + nan
     q = tl.clamp(v / scale[:, None], -FP8_MAX, FP8_MAX)
     tl.store(xq_ptr + t64 * hidden + k, cast(q, xq_ptr.dtype.element_ty, EMULATE), mask=km)
     n_groups = tl.cdiv(hidden, GROUP)
@@ -318,6 +324,7 @@ def _routing_kernel(ids_ptr, emap_ptr, sorted_ptr, block_expert_ptr, cursor_ptr,
                     TOPK: tl.constexpr, KP2: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
                     GPC: tl.constexpr, EMULATE: tl.constexpr, SENT: tl.constexpr, STEP: tl.constexpr,
                     SCHUNK: tl.constexpr, FILL: tl.constexpr, CB: tl.constexpr, PDL_RELEASE: tl.constexpr):
+    # QUANT: 0 none, 1 per 128-group, 2 per row (a8w4: the chunk is the whole row).
     # STEP 0: one launch (program 0 sorts); 1: split launch A (n_sort histogram programs);
     # 2: split launch B (scatter + padding). Programs past n_sort of steps 0 and 1 are token programs.
     pdl_release(PDL_RELEASE)  # GEMM1 may start: it waits for this launch before reading anything
@@ -345,8 +352,9 @@ def routing_metadata(topk_ids: torch.Tensor, expert_map: torch.Tensor, num_local
                      x: torch.Tensor, out: torch.Tensor | None, counters: torch.Tensor, n_counters: int,
                      xq: torch.Tensor | None = None, xs: torch.Tensor | None = None,
                      sent: tuple[torch.Tensor, int] | None = None,
-                     chunk_counts: torch.Tensor | None = None, pdl: bool = False) -> None:
-    """Fill sorted_ids / block_expert, zero counters and empty output rows, quantize x if xq given.
+                     chunk_counts: torch.Tensor | None = None, pdl: bool = False, row_scale: bool = False) -> None:
+    """Fill sorted_ids / block_expert, zero counters and empty output rows, quantize x if xq given (one scale
+    per 128-group, or with row_scale one per token stored once per group: atom_moe.spec.Scheme.x_per_token).
 
     sent = (recv_info, C): topk_ids are symm receive rows; row s*C + t counts only while
     t < recv_info[s, 0], and there is no output to zero (out may be None).
@@ -358,7 +366,8 @@ def routing_metadata(topk_ids: torch.Tensor, expert_map: torch.Tensor, num_local
     num_pairs = num_tokens * top_k
     n_blocks = max_blocks(num_pairs, num_local, block_m)
     quant = xq is not None
-    gpc = 8  # groups of 128 per token program: 1024 columns
+    # groups of 128 per token program: 1024 columns, or the whole row for one scale per row
+    gpc = triton.next_power_of_2(triton.cdiv(x.shape[1], 128)) if quant and row_scale else 8
     n_chunks = triton.cdiv(x.shape[1], gpc * 128)
     split = chunk_counts is not None and num_pairs > SPLIT_PAIRS
     n_sort = sort_chunks(num_pairs) if split else 1
@@ -371,7 +380,8 @@ def routing_metadata(topk_ids: torch.Tensor, expert_map: torch.Tensor, num_local
             sent[0] if sent else counters, sent[1] if sent else 1, sent[0].shape[0] if sent else 1,
             num_pairs, expert_map.shape[0], num_local, n_blocks * block_m, n_blocks, x.shape[1], n_chunks, n_sort)
     meta = dict(BLOCK_M=block_m, NB=triton.next_power_of_2(num_local + 1), CHUNK=1024, BB=16,
-                TOPK=top_k, KP2=triton.next_power_of_2(top_k), QUANT=quant, GROUP=128, GPC=gpc,
+                TOPK=top_k, KP2=triton.next_power_of_2(top_k), QUANT=(2 if row_scale else 1) if quant else 0,
+                GROUP=128, GPC=gpc,
                 EMULATE=interpreting(), SENT=sent is not None, SCHUNK=SORT_CHUNK, FILL=FILL_BLOCKS, CB=8,
                 num_warps=8)
     _routing_kernel[(n_sort + num_tokens * n_chunks,)](*args, STEP=1 if split else 0, PDL_RELEASE=pdl and not split,

@@ -34,7 +34,7 @@ SPIN_LIMIT = 1 << 30  # barrier polls before giving up and raising the error fla
 def _dispatch_kernel(x_ptr, stride_x, ids_ptr, w_ptr, owner_ptr, delta_ptr,
                      rx_ptr, rs_ptr, rid_ptr, rw_ptr, info_ptr,
                      num_tokens, num_experts, hidden, rank, world, capacity, mode,
-                     TOPK: tl.constexpr, KP2: tl.constexpr, FP8: tl.constexpr,
+                     TOPK: tl.constexpr, KP2: tl.constexpr, FP8: tl.constexpr, ROW_SCALE: tl.constexpr,
                      GP2: tl.constexpr, GROUP: tl.constexpr, EMULATE: tl.constexpr):
     # One program per token: read the row once (quantize once for the fp8 wire), then for
     # every rank write the metadata (always: ids not owned there become -1) and the row
@@ -57,8 +57,12 @@ def _dispatch_kernel(x_ptr, stride_x, ids_ptr, w_ptr, owner_ptr, delta_ptr,
     if FP8:
         vf = v.to(tl.float32)
         amax = tl.max(tl.abs(vf), 1)
-        # + sum(|v| * 0): NaN for a group holding NaN or Inf (the scale goes NaN, formats.md), else 0
-        scale = tl.where(amax > 0, amax / FP8_MAX, 1.0) + tl.sum(tl.abs(vf) * 0.0, 1)
+        nan = tl.sum(tl.abs(vf) * 0.0, 1)
+        if ROW_SCALE:  # one scale for the whole row (a8w4), stored once per group
+            amax = tl.zeros([GP2], tl.float32) + tl.max(amax, 0)
+            nan = tl.zeros([GP2], tl.float32) + tl.sum(nan, 0)
+        # + sum(|v| * 0): NaN for a group (ROW_SCALE: a row) holding NaN or Inf (the scale goes NaN, formats.md)
+        scale = tl.where(amax > 0, amax / FP8_MAX, 1.0) + nan
         row = cast(tl.clamp(vf / scale[:, None], -FP8_MAX, FP8_MAX), rx_ptr.dtype.element_ty, EMULATE)
     else:
         row = cast(v.to(tl.float32), rx_ptr.dtype.element_ty, EMULATE)
@@ -132,8 +136,12 @@ def _combine_kernel(ids_ptr, owner_ptr, slots_ptr, returned_ptr, out_ptr, stride
 
 def dispatch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, owner: torch.Tensor,
              delta: torch.Tensor, recv_x: torch.Tensor, recv_scale: torch.Tensor | None, recv_ids: torch.Tensor,
-             recv_w: torch.Tensor, recv_info: torch.Tensor, *, rank: int, capacity: int, mode: int) -> None:
-    """Push this rank's tokens into every owner's receive rows (s*C + t) and its token count."""
+             recv_w: torch.Tensor, recv_info: torch.Tensor, *, rank: int, capacity: int, mode: int,
+             row_scale: bool = False) -> None:
+    """Push this rank's tokens into every owner's receive rows (s*C + t) and its token count.
+
+    With recv_scale (the fp8 wire) rows go as e4m3, one scale per 128-group, or with row_scale one per row stored
+    once per group (a8w4: atom_moe.spec.Scheme.x_per_token)."""
     num_tokens, top_k = topk_ids.shape
     hidden, world = x.shape[1], delta.shape[0]
     fp8 = recv_scale is not None
@@ -142,7 +150,7 @@ def dispatch(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
         x, x.stride(0), topk_ids, topk_weights, owner, delta,
         recv_x, recv_scale if fp8 else recv_ids, recv_ids, recv_w, recv_info,
         num_tokens, owner.shape[0] - 1, hidden, rank, world, capacity, mode,
-        TOPK=top_k, KP2=triton.next_power_of_2(top_k), FP8=fp8,
+        TOPK=top_k, KP2=triton.next_power_of_2(top_k), FP8=fp8, ROW_SCALE=fp8 and row_scale,
         GP2=triton.next_power_of_2(triton.cdiv(hidden, 128)), GROUP=128, EMULATE=interpreting(),
         num_warps=4,
     )

@@ -33,7 +33,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 @interpreter
 @pytest.mark.parametrize("world,scheme,wire", [(2, "bf16", "bf16"), (3, "fp8", "fp8"), (3, "a8w4", "bf16"),
-                                               (2, "a16w4", "bf16")])
+                                               (2, "a8w4", "fp8"), (2, "a16w4", "bf16")])
 def test_simulated_ranks_match_reference(world, scheme, wire, seed):
     """Every rank's output equals the same tokens through the kernels on one rank holding every expert, for every
     routing case and mixed combine modes; and all ranks' outputs together match the fp32 reference."""

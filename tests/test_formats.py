@@ -426,6 +426,21 @@ def test_fp8_per_token(seed):
 
 
 @pytest.mark.parametrize("shape", [(5, 2880), (3, 200), (2, 4, 256), (1, 100)])
+def test_fp8_per_token_grouped(seed, shape):
+    # a8w4's GEMM1 input: the per-token quant, its scale written once per 128-group (a partial last one too)
+    x = torch.randn(*shape) * torch.rand(*shape[:-1], 1) * 5
+    x[..., :64] *= 30  # one group far larger than the rest: a per-group scale would differ
+    q, s = F.quantize_fp8_per_token_grouped(x, 128)
+    qt, st_ = F.quantize_fp8_per_token(x)
+    assert s.shape == (*shape[:-1], -(-shape[-1] // 128)) and s.is_contiguous()
+    assert torch.equal(q.float(), qt.float()) and torch.equal(s, st_.expand_as(s))
+    assert torch.equal(F.dequantize_fp8_per_group(q, s, 128), qt.float() * st_)
+    x[(0,) * (len(shape) - 1) + (shape[-1] - 1,)] = float("nan")  # NaN spreads to its row's scales only
+    _, s = F.quantize_fp8_per_token_grouped(x, 128)
+    assert s[(0,) * (len(shape) - 1)].isnan().all() and s.isnan().sum() == s.shape[-1]
+
+
+@pytest.mark.parametrize("shape", [(5, 2880), (3, 200), (2, 4, 256), (1, 100)])
 def test_fp8_per_group_shapes_and_dequant(seed, shape):
     x = torch.randn(*shape) * torch.rand(*shape[:-1], 1) * 5
     k = shape[-1]

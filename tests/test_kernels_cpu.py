@@ -26,18 +26,22 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 # ---------------------------------------------------------------- routing metadata
 @pytest.mark.parametrize("mode", ["random", "sentinels", "one_expert"])
 @pytest.mark.parametrize("block_m", [16, 32])
-def test_routing_metadata_matches_twin(seed, mode, block_m):
+@pytest.mark.parametrize("scheme", ["fp8", "a8w4"])  # x per 128-group (2 column chunks), or per token (one chunk)
+def test_routing_metadata_matches_twin(seed, mode, block_m, scheme):
     E, k, T = 8, 3, 23
     local = (1, 2, 4, 5, 7)  # experts 0, 3, 6 are not local: they contribute nothing
-    spec, p = make_layer(1100, 96, E, k, "fp8", local_experts=local, device=DEVICE)  # 2 column chunks
+    spec, p = make_layer(1120, 96, E, k, scheme, local_experts=local, device=DEVICE)  # MXFP4: H % 32 == 0
     w, ids = make_routing(T, E, k, mode=mode, device=DEVICE)
     ids = ids.to(torch.int64) if seed % 2 else ids  # both id dtypes engines use
     ws = allocate_workspace(spec, T, DEVICE)
     poison(ws)
-    x = torch.randn(T, spec.hidden_size, device=DEVICE, dtype=torch.bfloat16)
+    # every row's groups get their own magnitude: a per-group scale cannot pass for the row's
+    group_mags = torch.rand(T, 9, device=DEVICE).mul(8).repeat_interleave(128, dim=1)[:, :spec.hidden_size]
+    x = (torch.randn(T, spec.hidden_size, device=DEVICE) * group_mags).to(torch.bfloat16)
     out = torch.full((T, spec.hidden_size), float("nan"), device=DEVICE, dtype=torch.bfloat16)
     routing.routing_metadata(ids, p.expert_map, len(local), block_m, ws.sorted_ids, ws.block_expert, ws.cursor,
-                             x, out, ws.counters, ws.n_counters, xq=ws.x_q, xs=ws.x_scale)
+                             x, out, ws.counters, ws.n_counters, xq=ws.x_q, xs=ws.x_scale,
+                             row_scale=spec.scheme.x_per_token)
     want_sorted, want_blocks = routing.routing_metadata_torch(ids.cpu(), p.expert_map.cpu(), len(local), block_m)
     n_blocks = want_blocks.numel()
     got_blocks = ws.block_expert[:n_blocks].cpu()
@@ -50,13 +54,15 @@ def test_routing_metadata_matches_twin(seed, mode, block_m):
         want = want_sorted.view(n_blocks, block_m)[rows].flatten().sort().values
         assert torch.equal(got, want), f"expert {e}"
     # counters zeroed, empty tokens' rows zeroed, x quantized exactly like formats.quantize_fp8_per_group
+    # (a8w4: quantize_fp8_per_token_grouped)
     assert (ws.counters[:T * ws.n_counters] == 0).all()
     empty = (local_ids(ids, p.expert_map) < 0).all(dim=1)
     assert (out[empty] == 0).all() and (mode != "sentinels" or empty[0])
     assert out[~empty].isnan().all()  # rows with work are left for GEMM2
-    # tokens some local expert reads: quantized exactly like formats.quantize_fp8_per_group; the
+    # tokens some local expert reads: quantized exactly like the formats function; the
     # others are never read by GEMM1, and are not touched (the poison stays)
-    q, s = formats.quantize_fp8_per_group(x)
+    quant = formats.quantize_fp8_per_token_grouped if spec.scheme.x_per_token else formats.quantize_fp8_per_group
+    q, s = quant(x)
     assert torch.equal(ws.x_q[:T][~empty].float(), q[~empty].float()) and torch.equal(ws.x_scale[:T][~empty], s[~empty])
     assert ws.x_scale[:T][empty].isnan().all()
 

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from atom_moe import formats as F
 from atom_moe.experts_torch import experts_torch, local_ids
 from atom_moe.reference import (ReferenceWeights, apply_activation, quant_dequant_activations, reference_moe,
                                 reference_moe_prepared)
@@ -135,6 +136,13 @@ def test_quant_dequant_activations(seed):
     for s in (Scheme.FP8, Scheme.A8W4):
         d = quant_dequant_activations(a, s)
         assert not torch.equal(d, a) and rel_err(d, a) < 4e-2
+    # GEMM1's input: fp8 per 128-group, a8w4 per token; GEMM2's: per 128- and 64-group
+    cases = [(Scheme.FP8, False, F.quantize_fp8_per_group(a, 128), 128),
+             (Scheme.A8W4, False, F.quantize_fp8_per_token_grouped(a, 128), 128),
+             (Scheme.FP8, True, F.quantize_fp8_per_group(a, 128), 128),
+             (Scheme.A8W4, True, F.quantize_fp8_per_group(a, 64), 64)]
+    for s, inter, (q, sc), group in cases:
+        assert torch.equal(quant_dequant_activations(a, s, inter=inter), F.dequantize_fp8_per_group(q, sc, group))
 
 
 # ---------------------------------------------------------------- reference_moe

@@ -137,7 +137,7 @@ class SymmTransport:
         b = self.b
         transport.dispatch(x, topk_weights, topk_ids, b["owner"], b["peer_delta"], b["symm.recv_x"],
                            b.get("symm.recv_scale"), b["symm.recv_ids"], b["symm.recv_w"], b["symm.recv_info"],
-                           rank=self.rank, capacity=self.capacity, mode=mode)
+                           rank=self.rank, capacity=self.capacity, mode=mode, row_scale=self.spec.scheme.x_per_token)
 
     def barrier(self, *, signal: bool = True, wait: bool = True) -> None:
         """Epoch barrier over the peers (signal and wait may run separately: simulated ranks)."""

@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 import torch
 import torch.distributed as dist
 
-from ..formats import dequantize_fp8_per_group, quantize_fp8_per_group
+from ..formats import dequantize_fp8_per_group, quantize_fp8_per_group, quantize_fp8_per_token_grouped
 from ..spec import FP8_BLOCK, MoESpec
 from .buffers import BufferSpec
 
@@ -114,7 +114,9 @@ class TorchTransport(Transport):
             payload = torch.empty(0, self.spec.hidden_size, dtype=torch.uint8, device=x.device)
             scales = torch.empty(0, self._scales.shape[1], dtype=torch.float32, device=x.device)
         elif self.wire == "fp8":
-            q, s = quantize_fp8_per_group(x, FP8_BLOCK)
+            # a8w4 sends what its GEMM1 reads: one scale per token (Scheme.x_per_token)
+            quant = quantize_fp8_per_token_grouped if self.spec.scheme.x_per_token else quantize_fp8_per_group
+            q, s = quant(x, FP8_BLOCK)
             payload, scales = _bytes(q), s
         else:
             payload, scales = _bytes(x.to(torch.bfloat16)), None
