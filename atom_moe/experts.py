@@ -185,9 +185,8 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     `config` (a kernels.tuning.TileConfig) overrides the table lookup; `out` (optional,
     [T, H] in x.dtype, last dim contiguous) receives the result. Used by the symm transport:
     `x_scale` marks x as already e4m3 per token-group-128 (fp8-activation schemes skip the
-    quant; a8w4's holds one scale per token stored once per group, as
-    formats.quantize_fp8_per_token_grouped writes it: GEMM1 reads each token's first), and `remote` (kernels.gemm2.RemoteOutput) pushes the results to the source
-    ranks instead; the call then returns None. `combine` forces GEMM2's top-k combine:
+    quant; a8w4's is fp32 [T, 1], one scale per token: formats.quantize_fp8_per_token), and `remote`
+    (kernels.gemm2.RemoteOutput) pushes the results to the source ranks instead; the call then returns None. `combine` forces GEMM2's top-k combine:
     "counter" (inside GEMM2) or "separate" (a fourth launch, local output only); default by
     pair count (kernels.gemm2.SEPARATE_MIN_PAIRS). `pair_blocks` skips the routing launch: each
     (token, slot) pair is its own row block and GEMM1 does the routing launch's per-token work
@@ -203,8 +202,12 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
         if not spec.scheme.fp8_activations or x.dtype != FP8_DTYPE:
             raise ValueError(f"x_scale means x is e4m3 for an fp8-activation scheme (fp8, a8w4); got x {x.dtype} "
                              f"for scheme {spec.scheme.value}")
-        if tuple(x_scale.shape) != (x.shape[0], -(-spec.hidden_size // FP8_BLOCK)) or x_scale.dtype != torch.float32:
-            raise ValueError(f"x_scale must be fp32 [T, ceil(H/128)], got {x_scale.dtype} {tuple(x_scale.shape)}")
+        # a8w4's GEMM1 reads one scale per token: a per-group x_scale must not pass for it (it would run, wrong)
+        groups, form = (1, "[T, 1] (a8w4: one scale per token)") if spec.scheme.x_per_token else \
+            (-(-spec.hidden_size // FP8_BLOCK), "[T, ceil(H/128)]")
+        if tuple(x_scale.shape) != (x.shape[0], groups) or x_scale.dtype != torch.float32:
+            raise ValueError(f"x_scale must be fp32 {form} = [{x.shape[0]}, {groups}], got {x_scale.dtype} "
+                             f"{tuple(x_scale.shape)}")
         _check_inputs(x, topk_weights, topk_ids, spec, allow_fp8=True)
     else:
         _check_inputs(x, topk_weights, topk_ids, spec)

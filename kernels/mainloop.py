@@ -105,7 +105,7 @@ def k_loop(a_ptrs, as_ptrs, stride_as_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, w
     must be a multiple of BLOCK_K; K bounds the masks. SCALED: a8w4 through tl.dot_scaled
     (kernels/mxfp4.py); PAIRED: a8w4's residuals paired (w13, atom_moe/layouts/mx_quads.py); ROW_SCALE (a8w4's
     GEMM1): each row's activation scales are all one (atom_moe.spec.Scheme.x_per_token), so the K loop keeps one
-    accumulator and the first is applied after it (docs/perf/a8w4-one-accumulator-h100.md). TMA_A / TMA_W
+    accumulator and the first is applied after it, the only one read (docs/perf/a8w4-one-accumulator-h100.md). TMA_A / TMA_W
     (bf16, fp8): the activation tile comes from a_desc at rows
     [a_row, a_row + BLOCK_M) (they must be consecutive; rows that hold no pair load what is there, and
     their results are never stored), the weight tile from w_desc at rows [w_row, w_row + BLOCK_N) of
@@ -129,7 +129,10 @@ def k_loop(a_ptrs, as_ptrs, stride_as_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, w
         # loop from 342 to 282 instructions (sm_90a, scripts/kernel_sass.py)
         # an empty last split-K slice starts past K: its first scale is not read
         first = (tl.zeros([BLOCK_M], tl.int32) + k_lo) < K
-        a_s_next = tl.load(as_ptrs + (k_lo // AGROUP) * stride_as_k, mask=row_ok & first, other=0.0)
+        k_col = (k_lo // AGROUP) * stride_as_k
+        if ROW_SCALE:  # the row's one scale: its first column (x_scale may be [T, 1])
+            k_col = 0
+        a_s_next = tl.load(as_ptrs + k_col, mask=row_ok & first, other=0.0)
         a_s_row = a_s_next  # ROW_SCALE: the row's one scale
     k_end = k_hi
     if W4:  # at least one step (an empty split-K slice loads only masked zeros): with a path that skips the

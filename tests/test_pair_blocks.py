@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 
 from kernel_cases import assert_near_twin, make_layer, make_routing, poison  # noqa: E402
 
+from atom_moe import formats  # noqa: E402
 from atom_moe.experts import allocate_workspace, fused_experts  # noqa: E402
 from atom_moe.experts_torch import experts_torch  # noqa: E402
 from atom_moe.kernels import tuning  # noqa: E402
@@ -114,6 +115,21 @@ def test_the_flag_decides_the_default(seed, monkeypatch):
     monkeypatch.setenv("ATOM_MOE_PAIR_BLOCKS", "yes")
     with pytest.raises(ValueError, match="ATOM_MOE_PAIR_BLOCKS='yes': allowed are 1 or unset"):
         fused_experts(x, w, ids, p, spec)
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "a8w4"])
+def test_pre_quantized_x_scale_shape(seed, scheme):
+    # fp8 takes one scale per 128-group; a8w4 one per token, [T, 1]: a per-group x_scale would run and be wrong,
+    # so it is refused by shape. The accepted form gives the same bits as the layer's own quant of x.
+    spec, p, w, ids, x = _case(scheme, "random", 3)
+    ws = allocate_workspace(spec, 3, DEVICE)
+    q, s = formats.quantize_fp8_per_token(x) if spec.scheme.x_per_token else formats.quantize_fp8_per_group(x)
+    got = fused_experts(q, w, ids, p, spec, x_scale=s, workspace=ws, pair_blocks=False).clone()
+    assert torch.equal(got, fused_experts(x, w, ids, p, spec, workspace=ws, pair_blocks=False))
+    wrong = formats.quantize_fp8_per_group(x)[1] if spec.scheme.x_per_token else s[:, :1]
+    want = r"\[T, 1\] \(a8w4: one scale per token\)" if spec.scheme.x_per_token else r"\[T, ceil\(H/128\)\]"
+    with pytest.raises(ValueError, match=want):
+        fused_experts(q, w, ids, p, spec, x_scale=wrong, workspace=ws, pair_blocks=False)
 
 
 def test_pair_blocks_need_a_local_unquantized_call(seed):

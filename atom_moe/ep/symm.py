@@ -147,9 +147,13 @@ class SymmTransport:
                           signal=signal, wait=wait)
 
     def received(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """(rows, e4m3 scales or None, weights, global ids) of the receive buffers for the experts step."""
+        """(rows, e4m3 scales or None, weights, global ids) of the receive buffers for the experts step (a8w4's
+        scales: the first of each row's, which all hold the row's one scale)."""
         b = self.b
-        return b["symm.recv_x"], b.get("symm.recv_scale"), b["symm.recv_w"], b["symm.recv_ids"]
+        scales = b.get("symm.recv_scale")
+        if scales is not None and self.spec.scheme.x_per_token:
+            scales = scales[:, :1]
+        return b["symm.recv_x"], scales, b["symm.recv_w"], b["symm.recv_ids"]
 
     def combine(self, topk_ids: torch.Tensor, out: torch.Tensor, mode: int) -> torch.Tensor:
         """Sum what came back for this rank's tokens into out ([T, H]) and return it."""
