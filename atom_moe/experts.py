@@ -186,7 +186,8 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     [T, H] in x.dtype, last dim contiguous) receives the result. Used by the symm transport:
     `x_scale` marks x as already e4m3 per token-group-128 (fp8-activation schemes skip the
     quant; a8w4's is fp32 [T, 1], one scale per token: formats.quantize_fp8_per_token), and `remote`
-    (kernels.gemm2.RemoteOutput) pushes the results to the source ranks instead; the call then returns None. `combine` forces GEMM2's top-k combine:
+    (kernels.gemm2.RemoteOutput) pushes the results to the source ranks instead; the call then returns None.
+    `combine` forces GEMM2's top-k combine:
     "counter" (inside GEMM2) or "separate" (a fourth launch, local output only); default by
     pair count (kernels.gemm2.SEPARATE_MIN_PAIRS). `pair_blocks` skips the routing launch: each
     (token, slot) pair is its own row block and GEMM1 does the routing launch's per-token work

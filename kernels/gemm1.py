@@ -184,7 +184,8 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
     gpt-oss's clamped gate * sigmoid(alpha * gate) * (up + 1).
 
     MXFP4 w13 comes as MX tiles (a16w4; mx_big: some e8m0 scale is above 128) or, with e4m3
-    activations (a8w4: one scale per token, x_scale's first column, the only one read), as MX quads with paired residuals and their row exponents w13_rowexp_t (mx_flush: some
+    activations (a8w4: one scale per token, x_scale's first column, the only one read), as MX quads with
+    paired residuals and their row exponents w13_rowexp_t (mx_flush: some
     blocks are flushed, atom_moe/layouts/mx_quads.py). split_k > 1 splits K that many
     ways over a second grid axis and adds the slices in a second launch, through `partial` (fp32,
     >= split_k * T * top_k * 2I elements: GEMM2's scratch, free while GEMM1 runs; allocate_workspace

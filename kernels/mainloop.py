@@ -105,7 +105,8 @@ def k_loop(a_ptrs, as_ptrs, stride_as_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, w
     must be a multiple of BLOCK_K; K bounds the masks. SCALED: a8w4 through tl.dot_scaled
     (kernels/mxfp4.py); PAIRED: a8w4's residuals paired (w13, atom_moe/layouts/mx_quads.py); ROW_SCALE (a8w4's
     GEMM1): each row's activation scales are all one (atom_moe.spec.Scheme.x_per_token), so the K loop keeps one
-    accumulator and the first is applied after it, the only one read (docs/perf/a8w4-one-accumulator-h100.md). TMA_A / TMA_W
+    accumulator and the first is applied after it, the only one read (docs/perf/a8w4-one-accumulator-h100.md).
+    TMA_A / TMA_W
     (bf16, fp8): the activation tile comes from a_desc at rows
     [a_row, a_row + BLOCK_M) (they must be consecutive; rows that hold no pair load what is there, and
     their results are never stored), the weight tile from w_desc at rows [w_row, w_row + BLOCK_N) of
