@@ -1,6 +1,6 @@
 """What the vLLM and SGLang plugin suites share: random checkpoint tensors with their fp32
-reference, the int32-limit check at layer build, and running an engine suite in its own
-cached environment.
+reference, the int32-limit check at layer build, running an engine suite in its own
+cached environment, and launching a multi-rank worker with a bounded wait.
 
 Imported from inside the engines' environments too (tests/ is on sys.path there), so it
 needs torch and atom_moe only.
@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import socket
 import subprocess
+import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -166,6 +170,53 @@ def check_limit_error(build: Callable[[], object], flag: str, too_large: int, sp
     except BufferLimitError:
         return
     raise AssertionError(f"{safe} is not the largest safe value")
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(argv_of: Callable[[int], list[str]], world: int, timeout: float = 300, grace: float = 30,
+              env: dict[str, str] | None = None) -> list[str]:
+    """Run one process per rank (argv_of(rank)) and return each rank's output; every rank must print "RANK r OK".
+
+    A rank that exits non-zero gives the others `grace` seconds, a run past `timeout` stops: either way every
+    rank still running first gets SIGUSR1 (the workers register faulthandler on it, so a hung rank prints its
+    Python stacks), then is killed, and the failure shows every rank's output. Output goes to files, not
+    pipes, so a chatty rank cannot block on a full pipe while another is waited on.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = [open(Path(tmp) / f"rank{r}.log", "w+") for r in range(world)]
+        procs = [subprocess.Popen(argv_of(r), stdout=logs[r], stderr=subprocess.STDOUT, text=True, env=env)
+                 for r in range(world)]
+        stop_at, why = time.monotonic() + timeout, f"ran past {timeout:.0f} s (hang)"
+        while any(p.poll() is None for p in procs) and time.monotonic() < stop_at:
+            failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
+            if failed and why.endswith("(hang)"):
+                stop_at = min(stop_at, time.monotonic() + grace)
+                why = f"rank {failed[0]} exited {procs[failed[0]].returncode}; the others got {grace:.0f} s"
+            time.sleep(0.2)
+        hung = [r for r, p in enumerate(procs) if p.poll() is None]
+        for r in hung:
+            procs[r].send_signal(signal.SIGUSR1)
+        time.sleep(2 if hung else 0)
+        for r in hung:
+            procs[r].kill()
+            procs[r].wait()
+        outs = []
+        for log in logs:
+            log.seek(0)
+            outs.append(log.read())
+            log.close()
+    report = "\n".join(f"--- rank {r} (exit {p.returncode}{', hung' if r in hung else ''}):\n{out[-5000:]}"
+                       for r, (p, out) in enumerate(zip(procs, outs)))
+    assert not hung, f"{why}: ranks {hung} stopped\n{report}"
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and f"RANK {r} OK" in out, f"rank {r} failed\n{report}"
+    return outs
 
 
 def engine_env_python(script: str, *args: str) -> str:

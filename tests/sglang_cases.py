@@ -407,12 +407,8 @@ def test_dp_ep_decode_prefill_switch(scheme):
 def _run_ranks(mode: str, scheme: str, world: int) -> None:
     port = c.free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ATOM_USE_FLYDSL", "ATOM_FLYDSL"))}
-    procs = [subprocess.Popen([sys.executable, "-P", str(HERE / "sglang_worker.py"), mode, scheme, str(r), str(world),
-                               str(port), str(SEED)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for r in range(world)]
-    outs = [p.communicate(timeout=900)[0] for p in procs]
-    for r, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0 and f"RANK {r} OK" in out, f"rank {r}:\n{out[-6000:]}"
+    c.run_ranks(lambda r: [sys.executable, "-P", str(HERE / "sglang_worker.py"), mode, scheme, str(r), str(world),
+                           str(port), str(SEED)], world, env=env)
 
 
 # ---------------------------------------------------------------- SGLang's torch.compile paths

@@ -9,25 +9,17 @@ and the fp32 reference (atom_moe.reference) of what the layer must return.
 from __future__ import annotations
 
 import itertools
-import socket
 
 import torch
 
 from engine_common import (INTER, SCHEMES, a8w4_spec, activation_of, assert_bitwise, assert_matches,  # noqa: F401
-                           hf_checkpoint, our_mxfp4_twin)  # (the cases use them as c.*)
+                           free_port, hf_checkpoint, our_mxfp4_twin, run_ranks)  # (the cases use them as c.*)
 from atom_moe.reference import ReferenceWeights, reference_moe
 from atom_moe.spec import Scheme
 
 E, K, H = 8, 2, 256
 SCALE = {"bf16": 1.0, "fp8": 2.5, "mxfp4": 1.0, "a8w4": 1.0}  # DeepSeek-style routed_scaling_factor on fp8
 _ids = itertools.count()
-
-
-def free_port() -> int:
-    """A free TCP port on the loopback."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_runtime(rank: int = 0, world: int = 1, port: int | None = None, *, dp: bool = False,

@@ -24,9 +24,12 @@ Prints "RANK r OK" on success, after tearing SGLang's groups down; any failure r
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import sys
 
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # engine_common.run_ranks asks a hung rank for its stacks
 mode, scheme, rank, world, port, seed = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
 os.environ["ATOM_USE_FLYDSL_FUSED" if mode.startswith("dp_ep") or mode == "eplb_dp" else "ATOM_USE_FLYDSL"] = "1"
 os.environ["SGLANG_EXPERT_LOCATION_UPDATER_CANARY"] = "1"  # SGLang checks its own transfer of each slot's map

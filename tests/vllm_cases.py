@@ -38,7 +38,7 @@ from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4Config  # n
 from vllm.plugins import load_general_plugins  # noqa: E402
 
 from engine_common import (INTER, SCHEMES, a8w4_spec, activation_of, assert_bitwise, assert_matches,  # noqa: E402
-                           hf_checkpoint, our_mxfp4_twin)
+                           free_port, hf_checkpoint, our_mxfp4_twin, run_ranks)
 from atom_moe.layouts.gate_up import GateUpKind, GateUpLayout  # noqa: E402
 from atom_moe.reference import ReferenceWeights, reference_moe  # noqa: E402
 from atom_moe.spec import Activation, ActivationKind, MoESpec, Scheme  # noqa: E402
@@ -101,17 +101,9 @@ def configs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ckpt")
     out = {s: vllm_config(s, tmp) for s in (*SCHEMES, "dsv4")}
     with set_current_vllm_config(out["bf16"]):
-        init_distributed_environment(1, 0, f"tcp://127.0.0.1:{_free_port()}", 0, backend="gloo")
+        init_distributed_environment(1, 0, f"tcp://127.0.0.1:{free_port()}", 0, backend="gloo")
         initialize_model_parallel(1, 1)
     return out
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------- checkpoint-form layers
@@ -701,23 +693,9 @@ def test_unsupported_fp8_falls_back(configs, caplog, overrides, reason):
 
 # ---------------------------------------------------------------- two ranks
 def _launch(mode: str, scheme: str, seed: int, world: int = 2) -> list[str]:
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, str(HERE / "vllm_worker.py"), mode, scheme, str(rank), str(world),
-                               str(port), str(seed)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(world)]
-    outs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=900)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        outs.append(out)
-    for rank, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"rank {rank} failed:\n{out[-6000:]}"
-        assert f"RANK {rank} OK" in out, out[-3000:]
-    return outs
+    port = free_port()
+    return run_ranks(lambda rank: [sys.executable, str(HERE / "vllm_worker.py"), mode, scheme, str(rank), str(world),
+                                   str(port), str(seed)], world)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

@@ -30,9 +30,12 @@ Prints "RANK r OK" on success; any failure raises (non-zero exit).
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import sys
 
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # engine_common.run_ranks asks a hung rank for its stacks
 mode, scheme, rank, world, port, seed = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
 for name in ("ATOM_USE_FLYDSL", "ATOM_USE_FLYDSL_FUSED"):
     os.environ.pop(name, None)
@@ -209,6 +212,9 @@ def main_shared() -> None:
             assert not isinstance(runner.routed_experts.quant_method, AtomMoEMethod)
             msgs = [r.getMessage() for r in records if "keep vLLM's own path" in r.getMessage()]
             assert len(msgs) == 1 and "fused shared experts: vLLM's expert map has" in msgs[0], msgs
+            # No collective follows the build here: without this barrier rank 0 (the writer of vLLM's shm
+            # broadcaster) can exit while rank 1 still waits for its READY message.
+            torch.distributed.barrier()
             print(f"RANK {rank} OK", flush=True)
             return
         runner = cases.shared_runner(ckpt, cfg, mp, True)
