@@ -475,3 +475,44 @@ def test_launch_ab_needs_a_gpu():
     seen = launch_ab.run_arm("sorted+pdl+tma", lambda: (os.environ["ATOM_MOE_PDL"], os.environ["ATOM_MOE_TMA"]))
     assert seen == ("1", "1") and launch_ab.run_arm("sorted", lambda: os.environ["ATOM_MOE_TMA"]) == "0"
     assert {f: os.environ.get(f) for f in before} == before
+
+
+# ---------------------------------------------------------------- inter_quant_probe
+@pytest.mark.parametrize("name", ["glm-5.2-tp8", "gpt-oss-120b"])  # plain SwiGLU; gpt-oss's variant with biases
+def test_inter_quant_probe_group64_is_the_references_a8w4(name, tmp_path, seed):
+    # the probe's own expert loop must be the scheme's layer: its group64 column (today's GEMM2 input) equals
+    # reference_moe with a8w4's activation quant on the same MXFP4 weights and tokens
+    import inter_quant_probe as probe
+
+    from atom_moe import formats
+    from atom_moe.presets import preset, scaled_down
+    from atom_moe.reference import ReferenceWeights, reference_moe
+    from atom_moe.spec import Scheme
+    from atom_moe.tools.synthetic import random_layer, random_tokens
+
+    out = tmp_path / "probe.csv"
+    assert probe.main(["--shapes", name, "--experts", "3", "--tokens", "6", "--seed", str(seed), "--csv", str(out)]) == 0
+    with open(out) as fh:
+        (row,) = list(csv.DictReader(fh))
+    base = preset(name, scheme="a8w4")
+    spec = scaled_down(base, hidden_size=base.hidden_size, intermediate_size=base.intermediate_size, num_experts=3,
+                       top_k=min(base.top_k, 3))
+    gen = torch.Generator().manual_seed(seed)
+    raw = random_layer(spec, generator=gen)
+    w13 = formats.dequantize_mxfp4(*formats.quantize_mxfp4(raw.w13.float()))
+    w2 = formats.dequantize_mxfp4(*formats.quantize_mxfp4(raw.w2.float()))
+    ref_w = ReferenceWeights.from_separated(w13, w2, raw.w13_bias, raw.w2_bias)
+    x, w, ids = random_tokens(spec, 6, generator=gen)
+    truth = reference_moe(x, w, ids, ref_w, spec.activation)
+    quant = reference_moe(x, w, ids, ref_w, spec.activation, act_quant=Scheme.A8W4)
+    want = float((quant - truth).norm() / truth.norm())
+    assert abs(float(row["group64"]) - want) <= 1e-4 * want, (row, want)
+    assert all(0 < float(row[v]) < 0.2 for v in probe.VARIANTS), row
+
+
+def test_inter_quant_probe_refuses_an_unknown_shape(capsys):
+    import inter_quant_probe as probe
+
+    with pytest.raises(SystemExit):
+        probe.main(["--shapes", "no-such-model"])
+    assert "unknown preset 'no-such-model'" in capsys.readouterr().err
