@@ -68,8 +68,8 @@ def launch_flags() -> str:
 
 def _kernels():
     # Imported lazily: the package imports without Triton; only this path needs it.
-    from atom_moe.kernels import common, gemm1, gemm2, routing, tuning
-    return routing, gemm1, gemm2, tuning, common
+    from atom_moe.kernels import common, gemm1, gemm2, inter_quant, routing, tuning
+    return routing, gemm1, gemm2, tuning, common, inter_quant
 
 
 @dataclass
@@ -93,6 +93,8 @@ class Workspace:
     inter_scale: torch.Tensor | None
     x_q: torch.Tensor | None  # e4m3 [max_tokens, H] (fp8, a8w4)
     x_scale: torch.Tensor | None  # fp32 [max_tokens, ceil(H/128)] (fp8, a8w4)
+    # bf16 [rows, I]: GEMM1's output before kernels/inter_quant.py puts it in `inter` (Scheme.inter_per_token)
+    inter_wide: torch.Tensor | None = None
 
     def check(self, spec: MoESpec, num_tokens: int) -> None:
         """Raise ValueError unless this workspace fits `spec` and `num_tokens`."""
@@ -100,6 +102,10 @@ class Workspace:
         theirs = (spec.top_k, spec.num_local_experts, spec.scheme, spec.hidden_size, spec.intermediate_size)
         if mine != theirs:
             raise ValueError(f"workspace (top_k, E_local, scheme, H, I) = {mine} does not match the spec {theirs}")
+        if spec.scheme.inter_per_token != (self.inter_wide is not None):
+            raise ValueError(f"the workspace was allocated with ATOM_MOE_A8W4_INTER="
+                             f"{'group' if self.inter_wide is None else 'token'}, now it is "
+                             f"{'token' if spec.scheme.inter_per_token else 'group'}: keep the flag, or allocate again")
         if num_tokens > self.max_tokens:
             raise ValueError(f"{num_tokens} tokens exceed the workspace's max_tokens={self.max_tokens}; "
                              f"allocate_workspace(spec, max_tokens>={num_tokens}, device)")
@@ -107,7 +113,7 @@ class Workspace:
 
 def allocate_workspace(spec: MoESpec, max_tokens: int, device: torch.device | str) -> Workspace:
     """Allocate (uninitialized) every buffer fused_experts needs for up to max_tokens tokens."""
-    routing, _, _, tuning, _ = _kernels()
+    routing, _, _, tuning, _, _ = _kernels()
     if spec.scheme not in SUPPORTED:
         raise ValueError(f"fused_experts supports schemes {[s.value for s in SUPPORTED]}, got {spec.scheme.value}")
     if max_tokens < 1:
@@ -134,6 +140,7 @@ def allocate_workspace(spec: MoESpec, max_tokens: int, device: torch.device | st
         if fp8 else None,
         x_q=torch.empty(max_tokens, H, dtype=FP8_DTYPE, device=device) if fp8 else None,
         x_scale=torch.empty(max_tokens, -(-H // FP8_BLOCK), dtype=torch.float32, device=device) if fp8 else None,
+        inter_wide=torch.empty(rows, I, dtype=torch.bfloat16, device=device) if spec.scheme.inter_per_token else None,
     )
 
 
@@ -213,7 +220,7 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     else:
         _check_inputs(x, topk_weights, topk_ids, spec)
         warn_fp32(x, "fused_experts")
-    routing, gemm1, gemm2, tuning, common = _kernels()
+    routing, gemm1, gemm2, tuning, common, inter_quant = _kernels()
     T, k, E_l = x.shape[0], spec.top_k, spec.num_local_experts
     if remote is not None:
         if out is not None:
@@ -247,7 +254,8 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
         else None
     # programmatic dependent launch (ATOM_MOE_PDL=1, NVIDIA sm_90+): GEMM1 and GEMM2 start while the launch before
     # them finishes; GEMM2 fetches its weights into L2 meanwhile. Local output only
-    pdl = common.pdl(x.device) and remote is None
+    wide = spec.scheme.inter_per_token  # a8w4, ATOM_MOE_A8W4_INTER=token: GEMM1 bf16, a quant launch, GEMM2
+    pdl = common.pdl(x.device) and remote is None and not wide  # PDL chains GEMM1 straight into GEMM2
     tma = common.tma(x.device)  # ATOM_MOE_TMA=1: bf16 / fp8 tiles through TMA descriptors
     if pairs is not None:
         n_blocks = T * k
@@ -266,13 +274,17 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     decode = T * k <= tuning.SPLIT_MAX_PAIRS
     split_k = cfg.split_k1 if decode else 1
     gemm1.gemm1(x1, x1_scale, weights.w13, weights.w13_scale, weights.w13_bias,
-                ws.sorted_ids, ws.block_expert, n_blocks, k, ws.inter, ws.inter_scale,
+                ws.sorted_ids, ws.block_expert, n_blocks, k, ws.inter_wide if wide else ws.inter,
+                None if wide else ws.inter_scale,
                 oai=act.kind is ActivationKind.SWIGLU_OAI, clamp=act.kind is ActivationKind.SWIGLU_CLAMP,
                 alpha=act.alpha, limit=act.limit,
                 block_m=cfg.block_m, block_n=cfg.block_n1, block_k=cfg.block_k1,
                 num_warps=cfg.warps1, num_stages=cfg.stages1, group_m=cfg.group_m, mx_big=weights.mx_scale_max > 128,
                 w13_rowexp_t=weights.w13_rowexp, mx_flush=weights.mx_flush,
                 split_k=split_k, partial=ws.partial, maxnreg=cfg.maxnreg1, pairs=pairs, pdl=pdl, tma=tma)
+    if wide:
+        inter_quant.quantize_rows(ws.inter_wide, ws.inter, ws.inter_scale, ws.sorted_ids, ws.block_expert, n_blocks,
+                                  cfg.block_m, T * k, (topk_ids, weights.expert_map) if pairs is not None else None)
     separate = remote is None and (combine == "separate" or (combine is None and T * k >= gemm2.SEPARATE_MIN_PAIRS))
     partial = gemm2.separate_partial(ws.partial, out) if separate else ws.partial
     split_k2 = cfg.split_k2 if decode and not separate and remote is None else 1
@@ -283,7 +295,7 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
                 num_warps=cfg.warps2, num_stages=cfg.stages2, group_m=cfg.group_m, remote=remote,
                 hidden=weights.hidden_size, mx_big=weights.mx_scale_max > 128,
                 w2_rowexp=weights.w2_rowexp, mx_flush=weights.mx_flush, separate=separate, split_k=split_k2,
-                maxnreg=cfg.maxnreg2, pairs=pairs is not None, pdl=pdl, tma=tma)
+                maxnreg=cfg.maxnreg2, pairs=pairs is not None, pdl=pdl, tma=tma, row_scale=wide)
     if separate:
         gemm2.combine(partial, topk_ids, weights.expert_map, out)
     return out

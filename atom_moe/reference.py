@@ -81,6 +81,9 @@ def quant_dequant_activations(a: torch.Tensor, scheme: Scheme, *, inter: bool = 
     if scheme.x_per_token and not inter:
         q, s = formats.quantize_fp8_per_token(a)
         return q.float() * s
+    if inter and scheme.inter_per_token:  # GEMM1 stores bf16, a launch quantizes each row (kernels/inter_quant.py)
+        q, s = formats.quantize_fp8_per_token(a.bfloat16())
+        return q.float() * s
     if scheme.fp8_activations:
         group = scheme.inter_group if inter else FP8_BLOCK
         q, s = formats.quantize_fp8_per_group(a, group)

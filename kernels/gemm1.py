@@ -51,7 +51,7 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, stride_xs, stride_xs_k, w_ptr, ws_ptr
                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, IGROUP: tl.constexpr, INTERP: tl.constexpr, SCALED: tl.constexpr,
                   PAIRS: tl.constexpr, KP2: tl.constexpr, HG: tl.constexpr, PDL_WAIT: tl.constexpr,
-                  PDL_RELEASE: tl.constexpr, TMA_W: tl.constexpr):
+                  PDL_RELEASE: tl.constexpr, TMA_W: tl.constexpr, QOUT: tl.constexpr):
     # PDL (kernels/common.py): wait for the launch before (it may still run), then let GEMM2 start; GEMM2 reads
     # nothing of ours before its own wait
     pdl_wait(PDL_WAIT)
@@ -132,7 +132,7 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, stride_xs, stride_xs_k, w_ptr, ws_ptr
     rows64 = rows.to(tl.int64)
     o_mask = row_ok[:, None] & j_ok[None, :]
     o_ptrs = out_ptr + rows64[:, None] * inter + j[None, :]
-    if FP8:
+    if QOUT:
         # this tile holds the whole groups pid_n * NG .. + NG - 1 of each row
         NG: tl.constexpr = BLOCK_N // 2 // IGROUP
         grouped = tl.reshape(act, [BLOCK_M, NG, IGROUP])
@@ -204,10 +204,15 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
     w13 = require(w13_t, GateUpLayout.INTERLEAVED, "w13")
     w13_scale = None if w13_scale_t is None else require(w13_scale_t, GateUpLayout.INTERLEAVED, "w13_scale")
     w13_bias = None if w13_bias_t is None else require(w13_bias_t, GateUpLayout.INTERLEAVED, "w13_bias")
-    fp8 = x_scale is not None  # e4m3 activations (fp8, a8w4): quantized output too
+    fp8 = x_scale is not None  # e4m3 activations (fp8, a8w4): quantized output too, but a8w4's may be bf16
     w4 = w13.dtype == torch.uint8  # MXFP4 weights (a16w4, a8w4)
-    if fp8 != (out_scale is not None) or (w4 or fp8) != (w13_scale is not None):
-        raise ValueError("GEMM1: x_scale and out_scale go with e4m3 activations, w13_scale with fp8 or MXFP4 weights")
+    qout = out_scale is not None
+    wide = fp8 and w4 and not qout  # a8w4, Scheme.inter_per_token: bf16 out, kernels/inter_quant.py quantizes it
+    if (fp8 != qout and not wide) or (w4 or fp8) != (w13_scale is not None):
+        raise ValueError("GEMM1: x_scale and out_scale go with e4m3 activations (a8w4 may leave out_scale out for a "
+                         "bf16 out), w13_scale with fp8 or MXFP4 weights")
+    if out.dtype != (torch.float8_e4m3fn if qout else torch.bfloat16):
+        raise ValueError(f"GEMM1: out must be {'e4m3' if qout else 'bf16'} here, got {out.dtype}")
     num_tokens, hidden = x.shape
     inter = out.shape[1] if w4 else w13.shape[1] // 2
     row_blocks = k_blocks = 0
@@ -230,7 +235,7 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
         raise ValueError(f"{'a8w4' if w4 else 'fp8'} GEMM1 needs block_n={'128 or 256' if w4 else '256'} and "
                          f"block_k={'64 or 128' if w4 else '128'} (whole {igroup}-groups of its output per tile), "
                          f"got block_n={block_n}, block_k={block_k}")
-    if fp8 and out_scale.shape != (out.shape[0], triton.cdiv(inter, igroup)):
+    if qout and out_scale.shape != (out.shape[0], triton.cdiv(inter, igroup)):
         raise ValueError(f"GEMM1: out_scale must be [{out.shape[0]}, ceil(I/{igroup})] for "
                          f"{'a8w4' if w4 else 'fp8'}, got {tuple(out_scale.shape)}")
     if oai and clamp:
@@ -250,7 +255,7 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
     os_strides = scale_strides("GEMM1", "out_scale", out_scale)
     args = (x, x.stride(0), x_scale if fp8 else x, *xs_strides, w13, w13_scale if w13_scale is not None else w13,
             rowexp, w13_bias if w13_bias is not None else w13, sorted_ids, block_expert,
-            out, out_scale if fp8 else out, *os_strides, num_tokens * top_k, top_k, hidden, inter, n_blocks,
+            out, out_scale if qout else out, *os_strides, num_tokens * top_k, top_k, hidden, inter, n_blocks,
             float(alpha), float(limit), row_blocks, k_blocks,
             partial if split > 1 else out, triton.cdiv(triton.cdiv(hidden, block_k), split) * block_k,
             *_pair_args(pairs, out), w_desc if w_desc is not None else w13)
@@ -261,7 +266,8 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
                 # the token's slots and its row in 128-groups (pair blocks only: 1 keeps other launches as they were)
                 KP2=1 if pairs is None else triton.next_power_of_2(top_k),
                 HG=1 if pairs is None else triton.next_power_of_2(triton.cdiv(hidden, GROUP)),
-                TMA_W=w_desc is not None, num_warps=num_warps, num_stages=num_stages, **register_cap(maxnreg))
+                TMA_W=w_desc is not None, QOUT=qout, num_warps=num_warps, num_stages=num_stages,
+                **register_cap(maxnreg))
     first = pdl and pairs is None  # the routing launch came just before
     phases = [(0, (tiles,))] if split == 1 else [(1, (tiles, split)), (2, (tiles,))]
     for phase, grid in phases:

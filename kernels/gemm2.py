@@ -84,7 +84,7 @@ def _gemm2_kernel(a_ptr, as_ptr, stride_as, stride_as_k, w_ptr, ws_ptr, rowexp_p
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, IGROUP: tl.constexpr, INTERP: tl.constexpr, REMOTE: tl.constexpr,
                   SEPARATE: tl.constexpr, SCALED: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr,
-                  TMA_A: tl.constexpr, TMA_W: tl.constexpr):
+                  TMA_A: tl.constexpr, TMA_W: tl.constexpr, ROW_SCALE: tl.constexpr):
     pid_m, pid_n, expert = tile_expert(block_expert_ptr, n_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M, ids_ptr,
                                        emap_ptr, num_experts, PAIRS, PDL)
     if PDL:  # launched while GEMM1 runs: ask L2 for this tile's weights, then wait for GEMM1's output
@@ -130,7 +130,7 @@ def _gemm2_kernel(a_ptr, as_ptr, stride_as, stride_as_k, w_ptr, ws_ptr, rowexp_p
     acc = k_loop(a_ptrs, as_ptrs, stride_as_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, ws_hi, ws_sel, n_ok, w_off, s_off,
                  nb_ok, kb, k_blocks, inter, k_lo, k_hi, a_desc, pid_m * BLOCK_M, w_desc,
                  (expert * hidden + pid_n * BLOCK_N).to(tl.int32),
-                 IGROUP, FP8, W4, BIG, BLOCK_M, BLOCK_N, BLOCK_K, INTERP, SCALED, TMA_A, TMA_W)
+                 IGROUP, FP8, W4, BIG, BLOCK_M, BLOCK_N, BLOCK_K, INTERP, SCALED, TMA_A, TMA_W, ROW_SCALE=ROW_SCALE)
     acc = tile_finish(acc, rowexp_ptr, bias_ptr, e64, n, n_ok, hidden, FP8, W4, HAS_BIAS and SPLIT == 1)
     if HAS_BIAS and SPLIT > 1:  # once per row: by slice 0 (the flag as a vector: triton 3.9's interpreter)
         first = (tl.zeros([BLOCK_N], tl.int32) + tl.program_id(1)) == 0
@@ -248,7 +248,8 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
           block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int, group_m: int = 8,
           remote: "RemoteOutput | None" = None, separate: bool = False, hidden: int | None = None,
           mx_big: bool = False, w2_rowexp: torch.Tensor | None = None, mx_flush: bool = False,
-          split_k: int = 1, maxnreg: int = 0, pairs: bool = False, pdl: bool = False, tma: bool = False) -> None:
+          split_k: int = 1, maxnreg: int = 0, pairs: bool = False, pdl: bool = False, tma: bool = False,
+          row_scale: bool = False) -> None:
     """out[t] = sum_k w[t,k] * (act[row(t,k)] @ w2[e]^T (+bias)), deterministic combine.
 
     remote: push the results to the source ranks instead of `out` (see the module docstring).
@@ -265,11 +266,15 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
     before it waits for GEMM1. Local output only.
     tma: bf16 / fp8 tiles through TMA descriptors (kernels/common.py `tma`) where TMA can address them: w2's
     always, the activation rows' unless pairs (a pair block's one row is not a run of consecutive rows).
+    row_scale (a8w4, Scheme.inter_per_token): each row of `a` has one scale, a_scale's first column (the only one
+    read; kernels/inter_quant.py writes it), so the K loop keeps one accumulator.
     """
     fp8 = a_scale is not None  # e4m3 activations (fp8, a8w4)
     w4 = w2.dtype == torch.uint8  # MXFP4 weights (a16w4, a8w4): MX tiles [E, H/16, I/64, 512]
     if (w4 or fp8) != (w2_scale is not None):
         raise ValueError("GEMM2: w2_scale goes with fp8 or MXFP4 weights")
+    if row_scale and not (w4 and fp8):
+        raise ValueError("GEMM2: row_scale (one activation scale per row) is a8w4's (e4m3 activations, MXFP4 weights)")
     num_tokens, top_k = topk_ids.shape
     inter = a.shape[1]
     row_blocks = k_blocks = 0
@@ -327,6 +332,7 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
         KP2=triton.next_power_of_2(top_k),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, IGROUP=igroup, INTERP=interpreting(),
         REMOTE=remote is not None, SEPARATE=separate, SCALED=w4 and fp8 and scaled_dot(a.device, block_k), PAIRS=pairs,
-        PDL=pdl, TMA_A=a_desc is not None, TMA_W=w_desc is not None, num_warps=num_warps, num_stages=num_stages,
+        PDL=pdl, TMA_A=a_desc is not None, TMA_W=w_desc is not None, ROW_SCALE=row_scale, num_warps=num_warps,
+        num_stages=num_stages,
         **register_cap(maxnreg), **pdl_options(pdl),
     )

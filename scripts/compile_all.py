@@ -7,7 +7,8 @@ machine does not have (sm_90a: H100/H200; gfx942, gfx950: MI300X, MI355X). No GP
 The real launchers run on small CPU tensors with Triton's launch replaced by a recorder: the
 experts step (routing, GEMM1, GEMM2, the separate combine) for every scheme and every tile
 variant the tables or the heuristic can pick (bf16 and fp8 row-block-16 tiles also with GEMM1 split
-over K, both of its launches; bf16 and fp8 also with TMA descriptors), and MegaMoE's
+over K, both of its launches; bf16 and fp8 also with TMA descriptors; a8w4 also with
+ATOM_MOE_A8W4_INTER=token and its quant launch), and MegaMoE's
 symm transport (dispatch, barrier, combine) with two simulated ranks; then the same for the served
 presets' routing geometry (E 257 with a fused shared slot and top-k 9, E 384 with top-k 6) with the
 heuristic's picks for their real shapes, the two-launch routing sort included. Each distinct (kernel, argument types, compile-time values, warps, stages) is then
@@ -41,7 +42,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # @triton.jit would give interpre
     sys.exit("compile_all.py compiles the real kernels: run it without TRITON_INTERPRET=1")
 
 from atom_moe.kernels import common as kcommon  # noqa: E402
-from atom_moe.kernels import gemm1, gemm2, mxfp4, routing, transport, tuning  # noqa: E402
+from atom_moe.kernels import gemm1, gemm2, inter_quant, mxfp4, routing, transport, tuning  # noqa: E402,F401
 from atom_moe.spec import MoESpec  # noqa: E402
 
 TARGETS = {"sm_90a": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942", 64),
@@ -169,9 +170,35 @@ def _exercise() -> None:
                 _exercise_symm(spec, raw, scheme, T, g)  # GEMM2 pushing rows to their source ranks
             finally:
                 kcommon.tma = tma
+        if scheme == "a8w4":  # ATOM_MOE_A8W4_INTER=token: GEMM1 stores bf16, the quant launch, one-accumulator GEMM2
+            _exercise_inter_per_token(x, w, ids, weights, spec, configs.get(scheme, ()))
         for wire in ("bf16", "fp8") if spec.scheme.fp8_activations else ("bf16",):
             _exercise_symm(spec, raw, wire, T, g)
     _exercise_served(g)
+
+
+def _exercise_inter_per_token(x, w, ids, weights, spec, configs) -> None:
+    """a8w4's launches with one scale per token on GEMM2's input: every table row and the heuristic's pick,
+    split-K and pair blocks (the quant launch's two row modes)."""
+    from atom_moe.experts import fused_experts
+    from atom_moe.spec import A8W4_INTER_FLAG
+
+    before = os.environ.get(A8W4_INTER_FLAG)
+    os.environ[A8W4_INTER_FLAG] = "token"
+    try:
+        fused_experts(x, w, ids, weights, spec)
+        for config in configs:
+            if config.split_k1 == config.split_k2 == 1:
+                fused_experts(x, w, ids, weights, spec, config=config)
+        small = tuning.heuristic(spec.scheme.value, spec.hidden_size, spec.intermediate_size, spec.num_experts,
+                                 spec.top_k, 1)
+        fused_experts(x, w, ids, weights, spec, config=dataclasses.replace(small, split_k1=2, split_k2=2))
+        fused_experts(x[:1], w[:1], ids[:1], weights, spec, config=small, pair_blocks=True)
+    finally:
+        if before is None:
+            os.environ.pop(A8W4_INTER_FLAG)
+        else:
+            os.environ[A8W4_INTER_FLAG] = before
 
 
 def _exercise_symm(spec, raw, wire: str, T: int, g: torch.Generator) -> None:

@@ -92,12 +92,14 @@ def signature(kernel: str, scheme: str, tma: tuple[int, int, int, int] | None = 
 
 def constexprs(kernel: str, scheme: str, block_m: int, block_n: int, block_k: int, top_k: int,
                separate: bool = True, scaled: bool = False, pairs_hidden: int = 0, pdl: bool = False,
-               tma: bool = False, split: int = 1, phase: int = 0) -> dict:
+               tma: bool = False, split: int = 1, phase: int = 0, row_scale: bool = False) -> dict:
     """The launchers' compile-time switches for a local-output call (GEMM2: the separate combine's, or with
     separate=False the counter combine's of a three-launch call); scaled: a8w4 through tl.dot_scaled;
     pairs_hidden > 0: a pair-block call (T = 1, no routing launch, kernels/routing.py) of that H; pdl:
     with programmatic dependent launch (kernels/common.py); tma: bf16 / fp8 tiles through TMA descriptors;
-    split > 1: a split-K launch (GEMM1's phase 1 computes the slices, phase 2 adds them; GEMM2 in one launch)."""
+    split > 1: a split-K launch (GEMM1's phase 1 computes the slices, phase 2 adds them; GEMM2 in one launch);
+    row_scale: a8w4 with one scale per token on GEMM2's input (ATOM_MOE_A8W4_INTER=token): GEMM1 stores bf16,
+    GEMM2 keeps one accumulator."""
     common = dict(FP8=scheme in ("fp8", "a8w4"), W4=scheme in ("a16w4", "a8w4"), BIG=False, HAS_BIAS=True,
                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
                   IGROUP=Scheme(scheme).inter_group, INTERP=False, SCALED=scaled and scheme == "a8w4")
@@ -106,11 +108,12 @@ def constexprs(kernel: str, scheme: str, block_m: int, block_n: int, block_k: in
             if pairs_hidden else dict(PAIRS=False, KP2=1, HG=1)
         # the unit strides Triton's launcher specializes: x_scale is row-major, GEMM2's input scales group-major
         return {**common, "stride_xs_k": 1, "stride_os": 1, "OAI": True, "CLAMP": False, "SPLIT": split, "PHASE": phase,
-                **pairs, "PDL_WAIT": pdl and not pairs_hidden, "PDL_RELEASE": pdl, "TMA_W": tma}
+                **pairs, "PDL_WAIT": pdl and not pairs_hidden, "PDL_RELEASE": pdl, "TMA_W": tma,
+                "QOUT": scheme in ("fp8", "a8w4") and not row_scale}
     return {**common, "stride_as": 1, "TOPK": top_k, "KP2": triton.next_power_of_2(top_k), "REMOTE": False,
             "SEPARATE": separate, "SPLIT": split, "PAIRS": pairs_hidden > 0, "PDL": pdl,
             "TMA_A": tma and not pairs_hidden,
-            "TMA_W": tma}
+            "TMA_W": tma, "ROW_SCALE": row_scale}
 
 
 def loop_body(sass: str) -> list[str]:
@@ -137,9 +140,13 @@ def compile_sass(args: argparse.Namespace) -> tuple[dict, str]:
                              (args.block_m, args.block_n, args.block_k, args.pairs_hidden) if args.tma else None)
     if args.kernel == "gemm2" and args.pairs_hidden:  # the counter combine's partials are the fp32 workspace
         sig = {**sig, "partial_ptr": "*fp32"}
+    if args.row_scale and args.scheme != "a8w4":
+        raise SystemExit("--row-scale: a8w4 only (ATOM_MOE_A8W4_INTER=token)")
+    if args.row_scale and args.kernel == "gemm1":  # GEMM1 then stores bf16 (kernels/inter_quant.py quantizes it)
+        sig = {**sig, "out_ptr": "*bf16"}
     ce = constexprs(args.kernel, args.scheme, args.block_m, args.block_n, args.block_k, args.top_k,
                     separate=not args.pairs_hidden, scaled=args.scaled, pairs_hidden=args.pairs_hidden, pdl=args.pdl,
-                    tma=args.tma)
+                    tma=args.tma, row_scale=args.row_scale)
     names = list(sig) + list(ce)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in div}
     src = ASTSource(fn, {**sig, **{k: "constexpr" for k in ce}}, constexprs=ce, attrs=attrs)
@@ -202,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pdl", action="store_true", help="with programmatic dependent launch (ATOM_MOE_PDL=1: GEMM2 "
                    "prefetches its weight tile into L2 and waits for GEMM1)")
     p.add_argument("--tma", action="store_true", help="bf16 / fp8 tiles through TMA descriptors (ATOM_MOE_TMA=1)")
+    p.add_argument("--row-scale", action="store_true", help="a8w4 with one scale per token on GEMM2's input "
+                   "(ATOM_MOE_A8W4_INTER=token): GEMM1 stores bf16, GEMM2 keeps one accumulator")
     p.add_argument("--scaled", action="store_true", help="a8w4 through tl.dot_scaled (gfx950's path; on sm_90a "
                    "Triton decomposes it)")
     p.add_argument("--top", type=int, default=16, help="most frequent instructions to list")

@@ -104,7 +104,7 @@ def poison(ws) -> None:
     """Fill every workspace buffer with garbage (NaN for floats) so unwritten reads show."""
     for name in ("sorted_ids", "block_expert", "cursor", "chunk_counts", "counters"):
         getattr(ws, name).fill_(-7777)
-    for name in ("partial", "inter", "inter_scale", "x_q", "x_scale"):
+    for name in ("partial", "inter", "inter_scale", "x_q", "x_scale", "inter_wide"):
         t = getattr(ws, name)
         if t is not None:
             t.untyped_storage().fill_(0xFF)  # NaN in fp32, bf16 and e4m3 (inter_scale is a transposed view)

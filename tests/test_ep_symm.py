@@ -32,12 +32,17 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @interpreter
-@pytest.mark.parametrize("world,scheme,wire", [(2, "bf16", "bf16"), (3, "fp8", "fp8"), (3, "a8w4", "bf16"),
-                                               (2, "a8w4", "fp8"), (2, "a16w4", "bf16")])
-def test_simulated_ranks_match_reference(world, scheme, wire, seed):
+@pytest.mark.parametrize("world,scheme,wire,inter", [(2, "bf16", "bf16", "group"), (3, "fp8", "fp8", "group"),
+                                                     (3, "a8w4", "bf16", "group"), (2, "a8w4", "fp8", "group"),
+                                                     (2, "a16w4", "bf16", "group"), (2, "a8w4", "fp8", "token")])
+def test_simulated_ranks_match_reference(world, scheme, wire, inter, seed, monkeypatch):
     """Every rank's output equals the same tokens through the kernels on one rank holding every expert, for every
-    routing case and mixed combine modes; and all ranks' outputs together match the fp32 reference."""
+    routing case and mixed combine modes; and all ranks' outputs together match the fp32 reference. inter: a8w4's
+    GEMM2 input per 64-group or per token (ATOM_MOE_A8W4_INTER; GEMM2 then pushes rows it computed with one
+    accumulator)."""
     from atom_moe.ep.simulate import SimulatedSymmGroup
+
+    monkeypatch.setenv("ATOM_MOE_A8W4_INTER", inter)
 
     full = MoESpec.create(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, scheme=scheme,
                           max_tokens_per_rank=C)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import flushable_mxfp4, make_layer, make_routing, reference, rel_err
+from kernel_cases import assert_near_twin, flushable_mxfp4, make_layer, make_routing, reference, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -40,6 +40,55 @@ def test_real_shapes(seed, scheme, shape):
         assert err_q <= 1e-2, (T, mode, err_q)
         if fp8_act:
             assert rel_err(got, reference(x, w, ids, spec, p, act_quant=False)) <= 5e-2
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s[0])
+def test_a8w4_inter_per_token(seed, monkeypatch, shape):
+    # ATOM_MOE_A8W4_INTER=token at real dims: GEMM1 in bf16, the quant launch, GEMM2 with one accumulator; against
+    # the twin (which follows the flag) at T = 1 (pair blocks), 8 and 300, then in a CUDA graph replayed with new
+    # routing, without a host sync
+    from atom_moe.experts_torch import experts_torch
+    monkeypatch.setenv("ATOM_MOE_A8W4_INTER", "token")
+    allocate_workspace, fused_experts = _fused()
+    _, H, I, E, k, act, bias = shape
+    spec, p = make_layer(H, I, E, k, "a8w4", oai=act == "oai", bias=bias, device="cuda")
+    ws = allocate_workspace(spec, 300, "cuda")
+    for T, mode in ((1, "random"), (8, "sentinels"), (300, "random")):
+        w, ids = make_routing(T, E, k, mode=mode, device="cuda")
+        x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+        got = fused_experts(x, w, ids, p, spec, workspace=ws)
+        assert torch.isfinite(got).all(), (T, mode)
+        assert_near_twin(got, experts_torch(x, w, ids, p, spec), x, w, ids, spec, p, what=f"T={T} {mode}")
+    out = torch.empty(300, H, device="cuda", dtype=torch.bfloat16)
+    fused_experts(x, w, ids, p, spec, workspace=ws, out=out)  # compile outside the capture
+    graph = _sync_free_graph(lambda: fused_experts(x, w, ids, p, spec, workspace=ws, out=out))
+    for mode in ("one_expert", "random"):
+        _new_inputs(x, w, ids, out, E, mode)
+        graph.replay()
+        assert_near_twin(out, experts_torch(x, w, ids, p, spec), x, w, ids, spec, p, what=f"replay {mode}")
+
+
+def _sync_free_graph(call) -> torch.cuda.CUDAGraph:
+    """Run `call` with host syncs turned into errors, then capture it in a CUDA graph."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph
+
+
+def _new_inputs(x, w, ids, out, num_experts: int, mode: str) -> None:
+    """New tokens and routing (`mode`, make_routing's) into a captured call's inputs, NaN into its output."""
+    nw, nids = make_routing(x.shape[0], num_experts, ids.shape[1], mode=mode, device="cuda")
+    w.copy_(nw)
+    ids.copy_(nids)
+    x.copy_(torch.randn(x.shape, device="cuda"))
+    out.fill_(float("nan"))
 
 
 @pytest.mark.parametrize("combine", ["counter", "separate"])
@@ -198,21 +247,9 @@ def test_large_t_launches_graph_replay_and_no_sync(seed, scheme):
     launches = record_launches(lambda: fused_experts(x, w, ids, p, spec, workspace=ws, out=out))
     assert [launch.name for launch in launches] == ["_routing_kernel", "_routing_kernel", "_gemm1_kernel",
                                                     "_gemm2_kernel", "_combine_kernel"]
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        fused_experts(x, w, ids, p, spec, workspace=ws, out=out)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fused_experts(x, w, ids, p, spec, workspace=ws, out=out)
+    graph = _sync_free_graph(lambda: fused_experts(x, w, ids, p, spec, workspace=ws, out=out))
     for mode in ("random", "one_expert", "sentinels"):
-        nw, nids = make_routing(T, E, k, mode=mode, device="cuda")
-        w.copy_(nw)
-        ids.copy_(nids)
-        x.copy_(torch.randn(T, H, device="cuda"))
-        out.fill_(float("nan"))
+        _new_inputs(x, w, ids, out, E, mode)
         graph.replay()
         assert rel_err(out, experts_torch(x, w, ids, p, spec)) <= 1e-2, mode
         counter = fused_experts(x, w, ids, p, spec, combine="counter")

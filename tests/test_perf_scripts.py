@@ -256,7 +256,8 @@ def test_every_launch_of_the_ops_builds_for_sm_90a():
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     built = [line for line in run.stdout.splitlines() if line.startswith("sm_90a ") and line.endswith(" B")]
     assert {line.split()[1] for line in built} == {"_routing_kernel", "_gemm1_kernel", "_gemm2_kernel",
-                                                   "_combine_kernel", "_dispatch_kernel", "_barrier_kernel"}
+                                                   "_combine_kernel", "_dispatch_kernel", "_barrier_kernel",
+                                                   "_inter_quant_kernel"}
     for flag in ("FP8=True W4=True", "FP8=True W4=False", "FP8=False W4=True", "FP8=False W4=False"):
         assert any(flag in line for line in built if "_gemm1_kernel" in line), flag  # all four schemes
     assert all(int(line.split()[-2]) > 0 for line in built) and "FAILED" not in run.stdout
@@ -293,6 +294,15 @@ def test_every_launch_of_the_ops_builds_for_sm_90a():
         assert has("_gemm2_kernel", "TMA_A=False", "TMA_W=True", "PAIRS=True", *flag.split()), flag
         assert has("_gemm2_kernel", "TMA_A=True", "TMA_W=True", "REMOTE=True", *flag.split()), flag  # symm transport
     assert not any("TMA_W=True" in line and "W4=True" in line for line in built)
+    # a8w4 with ATOM_MOE_A8W4_INTER=token: GEMM1 stores bf16 (sorted rows, split-K's second launch, pair blocks),
+    # the quant launch in both row modes, GEMM2 with one accumulator
+    for phase in ("PHASE=0", "PHASE=2"):
+        assert has("_gemm1_kernel", "FP8=True", "W4=True", "QOUT=False", phase), phase
+    assert has("_gemm1_kernel", "FP8=True", "W4=True", "QOUT=False", "PAIRS=True")
+    assert has("_inter_quant_kernel", "PAIRS=True") and has("_inter_quant_kernel", "PAIRS=False")
+    assert has("_gemm2_kernel", "FP8=True", "W4=True", "ROW_SCALE=True") and has("_gemm2_kernel", "ROW_SCALE=True",
+                                                                                  "PAIRS=True")
+    assert not has("_gemm2_kernel", "W4=False", "ROW_SCALE=True")
 
 
 def test_compile_all_reports_a_failing_build():

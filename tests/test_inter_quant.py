@@ -1,0 +1,152 @@
+"""a8w4 with one scale per token on GEMM2's input (ATOM_MOE_A8W4_INTER=token): the flag, the quant launch
+(kernels/inter_quant.py) bit for bit against atom_moe.formats, and the layer against its twin and the reference
+(CPU, TRITON_INTERPRET=1, small shapes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernel_cases import make_layer, make_routing, poison, reference, rel_err  # noqa: E402
+
+from atom_moe import formats  # noqa: E402
+from atom_moe.experts import allocate_workspace, fused_experts  # noqa: E402
+from atom_moe.experts_torch import experts_torch  # noqa: E402
+from atom_moe.kernels import inter_quant  # noqa: E402
+from atom_moe.kernels.tuning import TileConfig  # noqa: E402
+from atom_moe.reference import quant_dequant_activations  # noqa: E402
+from atom_moe.spec import A8W4_INTER_FLAG, Scheme, SpecError  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+F8 = torch.float8_e4m3fn
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == F8 else t.view(torch.int32)
+
+
+@pytest.mark.parametrize("value, per_token", [(None, False), ("group", False), ("token", True)])
+def test_flag(monkeypatch, value, per_token):
+    if value is None:
+        monkeypatch.delenv(A8W4_INTER_FLAG, raising=False)
+    else:
+        monkeypatch.setenv(A8W4_INTER_FLAG, value)
+    assert Scheme.A8W4.inter_per_token is per_token
+    assert not any(s.inter_per_token for s in Scheme if s is not Scheme.A8W4)  # a8w4's switch only
+
+
+def test_bad_flag_names_the_allowed_values(monkeypatch):
+    monkeypatch.setenv(A8W4_INTER_FLAG, "row")
+    with pytest.raises(SpecError, match=r"ATOM_MOE_A8W4_INTER='row': allowed are group .* or token"):
+        Scheme.A8W4.inter_per_token
+
+
+def test_reference_quantizes_the_bf16_row(monkeypatch, seed):
+    a = torch.randn(7, 200) * torch.rand(7, 1) * 30
+    monkeypatch.setenv(A8W4_INTER_FLAG, "token")
+    q, s = formats.quantize_fp8_per_token(a.bfloat16())
+    assert torch.equal(quant_dequant_activations(a, Scheme.A8W4, inter=True), q.float() * s)
+    assert torch.equal(quant_dequant_activations(a, Scheme.FP8, inter=True),  # fp8 keeps its 128-groups
+                       formats.dequantize_fp8_per_group(*formats.quantize_fp8_per_group(a, 128), 128))
+    monkeypatch.setenv(A8W4_INTER_FLAG, "group")
+    assert not torch.equal(quant_dequant_activations(a, Scheme.A8W4, inter=True), q.float() * s)
+
+
+@pytest.mark.parametrize("inter", [96, 200])  # a power of two's worth of columns, and a masked tail
+def test_quantize_rows_matches_formats(seed, inter):
+    block_m, n_blocks, num_pairs = 4, 5, 11
+    rows = n_blocks * block_m
+    src = (torch.randn(rows, inter) * torch.rand(rows, 1).mul(50)).bfloat16()
+    src[3] = 0.0  # a zero row: scale 1
+    src[6, 17] = float("nan")  # a NaN row: NaN scale and codes, as formats gives
+    # blocks 0, 1, 3 hold pairs (padding rows hold num_pairs), block 2 no expert, block 4 one pair
+    sorted_ids = torch.full((rows,), num_pairs, dtype=torch.int32)
+    sorted_ids[[0, 1, 2, 3, 4, 5, 6, 12, 13, 14, 16]] = torch.arange(num_pairs, dtype=torch.int32)
+    block_expert = torch.tensor([0, 1, -1, 2, 3], dtype=torch.int32)
+    dst = torch.full((rows, inter), 0x7F, dtype=torch.uint8).view(F8)  # NaN: untouched rows stay NaN
+    scales = torch.full((-(-inter // 64), rows), -1.0).t()  # group-major, as the workspace keeps it
+    inter_quant.quantize_rows(src.to(DEVICE), dst.to(DEVICE), scales.to(DEVICE), sorted_ids.to(DEVICE),
+                              block_expert.to(DEVICE), n_blocks, block_m, num_pairs)
+    dst, scales = dst.cpu(), scales.cpu()
+    done = [0, 1, 2, 3, 4, 5, 6, 12, 13, 14, 16]
+    q, s = formats.quantize_fp8_per_token(src[done])
+    finite = [i for i, r in enumerate(done) if r != 6]
+    assert torch.equal(_bits(dst[done][finite]), _bits(q[finite]))
+    assert torch.equal(scales[done, 0][finite], s[finite, 0]) and scales[3, 0] == 1.0
+    # a row holding NaN: its scale is NaN, so is every value GEMM2 makes of it (codes unspecified, docs/formats.md)
+    assert scales[6, 0].isnan() and s[done.index(6), 0].isnan()
+    skipped = [r for r in range(rows) if r not in done]  # padding and the block of no expert
+    assert (dst[skipped].view(torch.uint8) == 0x7F).all() and (scales[skipped, 0] == -1.0).all()
+    assert (scales[:, 1:] == -1.0).all()  # only column 0 is GEMM2's
+
+
+def test_quantize_rows_pair_blocks_skip_other_ranks_pairs(seed):
+    T, k, inter = 3, 2, 64
+    src = torch.randn(T * k, inter).bfloat16()
+    ids = torch.tensor([[0, 5], [-1, 2], [3, 1]], dtype=torch.int32)
+    expert_map = torch.tensor([0, -1, 1, 2, -1, 3], dtype=torch.int32)  # experts 1 and 4 on another rank
+    dst = torch.full((T * k, inter), 0x7F, dtype=torch.uint8).view(F8)
+    scales = torch.full((1, T * k), -1.0).t()
+    unused = torch.zeros(1, dtype=torch.int32)
+    inter_quant.quantize_rows(src, dst, scales, unused, unused, T * k, 1, T * k, (ids, expert_map))
+    local = [0, 1, 3, 4]  # pairs (0,0), (0,1) expert 5, (1,1) expert 2, (2,0) expert 3
+    q, s = formats.quantize_fp8_per_token(src[local])
+    assert torch.equal(_bits(dst[local]), _bits(q)) and torch.equal(scales[local, 0], s[:, 0])
+    assert (dst[[2, 5]].view(torch.uint8) == 0x7F).all() and (scales[[2, 5], 0] == -1.0).all()
+
+
+def test_quantize_rows_refuses_bad_buffers():
+    src, dst = torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=F8)
+    ids = torch.zeros(8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="dst_scale must be fp32 and group-major"):
+        inter_quant.quantize_rows(src, dst, torch.zeros(8, 2), ids, ids, 2, 4, 8)  # row-major
+    with pytest.raises(ValueError, match="src must be bf16 and dst e4m3"):
+        inter_quant.quantize_rows(src.float(), dst, torch.zeros(1, 8).t(), ids, ids, 2, 4, 8)
+    with pytest.raises(ValueError, match="12 rows to quantize, the buffers hold 8"):
+        inter_quant.quantize_rows(src, dst, torch.zeros(1, 8).t(), ids, ids, 3, 4, 8)
+
+
+CASES = [  # H, I, E, k, T, oai, bias, mode, local, config (None: the heuristic's)
+    (160, 96, 4, 2, 5, True, True, "random", None, None),
+    (224, 160, 6, 3, 21, False, False, "sentinels", (1, 2, 4, 5), TileConfig(32, 256, 64, 4, 2, 64, 64, 4, 2)),
+    (256, 288, 8, 4, 19, True, True, "one_expert", None, TileConfig(16, 128, 128, 4, 2, 64, 64, 4, 2,
+                                                                      split_k1=2, split_k2=3)),
+    (96, 224, 5, 3, 70, False, True, "random", None, TileConfig(64, 128, 64, 4, 2, 128, 64, 4, 2)),
+    (160, 96, 4, 2, 1, True, True, "random", None, None),  # T = 1: pair blocks
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(v) for v in c[:9]))
+def test_fused_a8w4_per_token_inter_matches_twin(monkeypatch, seed, case):
+    H, I, E, k, T, oai, bias, mode, local, cfg = case
+    monkeypatch.setenv(A8W4_INTER_FLAG, "token")
+    spec, p = make_layer(H, I, E, k, "a8w4", oai=oai, bias=bias, local_experts=local, device=DEVICE)
+    w, ids = make_routing(T, E, k, mode=mode, device=DEVICE)
+    x = torch.randn(T, H, device=DEVICE).to(torch.bfloat16)
+    ws = allocate_workspace(spec, T, DEVICE)
+    assert ws.inter_wide is not None and ws.inter_wide.dtype == torch.bfloat16
+    poison(ws)  # NaN everywhere: a scale column GEMM2 should not read, or a row nobody wrote, shows
+    out = torch.full((T, H), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+    got = fused_experts(x, w, ids, p, spec, workspace=ws, out=out, config=cfg)
+    assert torch.isfinite(got).all(), "unwritten or NaN output elements"
+    twin = experts_torch(x, w, ids, p, spec)
+    assert rel_err(got, twin) <= 1e-2
+    assert rel_err(got, reference(x, w, ids, spec, p, act_quant=True)) <= 1e-2
+    # the numerics are the flag's: the per-group twin is another function of the same inputs
+    monkeypatch.setenv(A8W4_INTER_FLAG, "group")
+    assert rel_err(experts_torch(x, w, ids, p, spec), twin) > 1e-4
+
+
+def test_workspace_remembers_the_flag(monkeypatch, seed):
+    spec, p = make_layer(160, 96, 4, 2, "a8w4", device=DEVICE)
+    w, ids = make_routing(3, 4, 2, device=DEVICE)
+    x = torch.randn(3, 160, device=DEVICE).to(torch.bfloat16)
+    monkeypatch.setenv(A8W4_INTER_FLAG, "group")
+    ws = allocate_workspace(spec, 3, DEVICE)
+    assert ws.inter_wide is None
+    monkeypatch.setenv(A8W4_INTER_FLAG, "token")
+    with pytest.raises(ValueError, match="allocated with ATOM_MOE_A8W4_INTER=group, now it is token"):
+        fused_experts(x, w, ids, p, spec, workspace=ws)
