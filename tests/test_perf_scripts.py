@@ -144,6 +144,32 @@ def test_kernel_sass_counts_the_k_loop(kernel, scheme, bm, bn, bk, tmp_path):
     assert mma in out.read_text()
 
 
+def test_kernel_sass_row_scale_gives_gemm2_one_accumulator():
+    # a8w4 with ATOM_MOE_A8W4_INTER=token (--row-scale): GEMM2's K loop loads no activation scales and keeps
+    # one accumulator, at the 64-row tile of the large-T rows (sm_90a, 2026-12-06: 307 -> 186 instructions,
+    # 231 -> 153 registers; docs/perf/a8w4-one-accumulator-h100.md section 4)
+    import json
+    import triton
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this triton wheel ships no ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    reports = []
+    for extra in ([], ["--row-scale"]):
+        run = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel_sass.py"), "gemm2", "--scheme", "a8w4",
+                              "--block-m", "64", "--block-n", "128", "--block-k", "64", "--warps", "4", "--stages", "3",
+                              "--json", *extra], capture_output=True, text=True, env=env, timeout=600)
+        assert run.returncode == 0, run.stderr
+        reports.append(json.loads(run.stdout))
+    group, token = reports
+    assert group["plain_loads"] > 0 and token["plain_loads"] == 0, (group, token)
+    assert token["wgmma"] == ["QGMMA"] and not token["wgmma_serialized"] and token["spill_stores"] == 0
+    assert token["loop_instructions"] < 0.75 * group["loop_instructions"], (group, token)
+    assert token["registers"] < group["registers"], (group, token)
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel_sass.py"), "gemm2", "--scheme", "fp8",
+                          "--row-scale"], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode != 0 and "--row-scale: a8w4 only" in run.stderr
+
+
 def test_kernel_sass_register_cap_reaches_ptxas():
     # a tile config's maxnreg is Triton's option: the PTX carries it, and ptxas keeps the kernel under it
     import json
