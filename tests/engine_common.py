@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 
 from atom_moe import formats
+from atom_moe.ep.launch import free_port  # noqa: F401  (the engine cases' ports)
 from atom_moe.reference import ReferenceWeights
 from atom_moe.spec import Activation, ActivationKind
 
@@ -170,13 +170,6 @@ def check_limit_error(build: Callable[[], object], flag: str, too_large: int, sp
     except BufferLimitError:
         return
     raise AssertionError(f"{safe} is not the largest safe value")
-
-
-def free_port() -> int:
-    """A free TCP port on the loopback."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(argv_of: Callable[[int], list[str]], world: int, timeout: float = 300, grace: float = 30,
