@@ -23,7 +23,7 @@ import torch
 
 from .formats import FP8_DTYPE
 from .inputs import warn_fp32
-from .spec import FP8_BLOCK, ActivationKind, MoESpec, Scheme
+from .spec import A8W4_INTER_FLAG, FP8_BLOCK, ActivationKind, MoESpec, Scheme
 from .weights import PreparedWeights
 
 if TYPE_CHECKING:
@@ -58,11 +58,12 @@ def pair_blocks_enabled() -> bool:
 
 
 def launch_flags() -> str:
-    """The launch flags this process sets away from their defaults ("ATOM_MOE_PAIR_BLOCKS=0 ATOM_MOE_PDL=1
-    ATOM_MOE_TMA=1", or ""): benchmark rows carry them, so a time is never read as the default path's when it was
-    not."""
+    """The launch flags this process sets away from their defaults ("ATOM_MOE_A8W4_INTER=group
+    ATOM_MOE_PAIR_BLOCKS=0 ATOM_MOE_PDL=1 ATOM_MOE_TMA=1", or ""): benchmark rows carry them, so a time is never
+    read as the default path's when it was not."""
     from atom_moe.kernels.common import PDL_FLAG, TMA_FLAG  # lazy: the package imports without Triton
-    changed = [f"{PAIR_BLOCKS_FLAG}=0"] if os.environ.get(PAIR_BLOCKS_FLAG) == "0" else []
+    changed = [f"{A8W4_INTER_FLAG}=group"] if os.environ.get(A8W4_INTER_FLAG) == "group" else []
+    changed += [f"{PAIR_BLOCKS_FLAG}=0"] if os.environ.get(PAIR_BLOCKS_FLAG) == "0" else []
     return " ".join(changed + [f"{flag}=1" for flag in (PDL_FLAG, TMA_FLAG) if os.environ.get(flag) == "1"])
 
 

@@ -15,7 +15,7 @@ from functools import cached_property
 
 FP8_BLOCK = 128  # fp8 weights: 128x128 block scales; activations: per-token groups of 128
 A8W4_INTER_GROUP = 64  # a8w4 quantizes GEMM2's input per token-group-64: GEMM1 tiles may then be 128 rows
-A8W4_INTER_FLAG = "ATOM_MOE_A8W4_INTER"  # group (default) or token: a8w4's GEMM2 input scales, Scheme.inter_per_token
+A8W4_INTER_FLAG = "ATOM_MOE_A8W4_INTER"  # token (default) or group: a8w4's GEMM2 input scales, Scheme.inter_per_token
 MX_BLOCK = 32  # MXFP4 / MXFP8: one e8m0 scale per 32 elements along the reduction dim
 
 
@@ -61,9 +61,9 @@ class Scheme(str, enum.Enum):
 
     @property
     def inter_per_token(self) -> bool:
-        """a8w4 with ATOM_MOE_A8W4_INTER=token: GEMM2's e4m3 input has one scale per token, from GEMM1's output
-        rounded to bf16 (kernels/inter_quant.py), so GEMM2 keeps one accumulator as GEMM1 does. Off by default:
-        +1.3-2.8e-3 of layer error on Gaussian data (docs/perf/a8w4-one-accumulator-h100.md, section 4), untimed."""
+        """a8w4 unless ATOM_MOE_A8W4_INTER=group: GEMM2's e4m3 input has one scale per token, from GEMM1's output
+        rounded to bf16 (kernels/inter_quant.py), so GEMM2 keeps one accumulator as GEMM1 does. GEMM2 1.3-1.4x faster
+        at T >= 2048 for +1.3-2.8e-3 of layer error on Gaussian data (docs/perf/a8w4-one-accumulator-h100.md, 4-5)."""
         return self is Scheme.A8W4 and a8w4_inter_per_token()
 
     @property
@@ -73,13 +73,13 @@ class Scheme(str, enum.Enum):
 
 
 def a8w4_inter_per_token() -> bool:
-    """ATOM_MOE_A8W4_INTER: `token` gives a8w4's GEMM2 input one e4m3 scale per token; `group` or unset keeps one
+    """ATOM_MOE_A8W4_INTER: `token` or unset gives a8w4's GEMM2 input one e4m3 scale per token; `group` keeps one
     per (token, 64-group). Read at every use: set it before building a layer and keep it (the workspace checks)."""
     flag = os.environ.get(A8W4_INTER_FLAG, "")
     if flag not in ("", "group", "token"):
-        raise SpecError(f"{A8W4_INTER_FLAG}={flag!r}: allowed are group (default: a scale per token and 64-group of "
-                        "GEMM2's input) or token (one scale per token)")
-    return flag == "token"
+        raise SpecError(f"{A8W4_INTER_FLAG}={flag!r}: allowed are token (default: one scale per token of GEMM2's "
+                        "input) or group (a scale per token and 64-group)")
+    return flag != "group"
 
 
 class ActivationKind(str, enum.Enum):

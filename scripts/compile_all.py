@@ -7,8 +7,8 @@ machine does not have (sm_90a: H100/H200; gfx942, gfx950: MI300X, MI355X). No GP
 The real launchers run on small CPU tensors with Triton's launch replaced by a recorder: the
 experts step (routing, GEMM1, GEMM2, the separate combine) for every scheme and every tile
 variant the tables or the heuristic can pick (bf16 and fp8 row-block-16 tiles also with GEMM1 split
-over K, both of its launches; bf16 and fp8 also with TMA descriptors; a8w4 also with
-ATOM_MOE_A8W4_INTER=token and its quant launch), and MegaMoE's
+over K, both of its launches; bf16 and fp8 also with TMA descriptors; a8w4 with its quant launch
+and also with ATOM_MOE_A8W4_INTER=group), and MegaMoE's
 symm transport (dispatch, barrier, combine) with two simulated ranks; then the same for the served
 presets' routing geometry (E 257 with a fused shared slot and top-k 9, E 384 with top-k 6) with the
 heuristic's picks for their real shapes, the two-launch routing sort included. Each distinct (kernel, argument types, compile-time values, warps, stages) is then
@@ -170,21 +170,21 @@ def _exercise() -> None:
                 _exercise_symm(spec, raw, scheme, T, g)  # GEMM2 pushing rows to their source ranks
             finally:
                 kcommon.tma = tma
-        if scheme == "a8w4":  # ATOM_MOE_A8W4_INTER=token: GEMM1 stores bf16, the quant launch, one-accumulator GEMM2
-            _exercise_inter_per_token(x, w, ids, weights, spec, configs.get(scheme, ()))
+        if scheme == "a8w4":  # ATOM_MOE_A8W4_INTER=group: GEMM1 quantizes per 64-group, GEMM2's two accumulators
+            _exercise_inter_per_group(x, w, ids, weights, spec, configs.get(scheme, ()))
         for wire in ("bf16", "fp8") if spec.scheme.fp8_activations else ("bf16",):
             _exercise_symm(spec, raw, wire, T, g)
     _exercise_served(g)
 
 
-def _exercise_inter_per_token(x, w, ids, weights, spec, configs) -> None:
-    """a8w4's launches with one scale per token on GEMM2's input: every table row and the heuristic's pick,
-    split-K and pair blocks (the quant launch's two row modes)."""
+def _exercise_inter_per_group(x, w, ids, weights, spec, configs) -> None:
+    """a8w4's launches with a scale per (token, 64-group) on GEMM2's input (not the default): every table row and
+    the heuristic's pick, split-K and pair blocks."""
     from atom_moe.experts import fused_experts
     from atom_moe.spec import A8W4_INTER_FLAG
 
     before = os.environ.get(A8W4_INTER_FLAG)
-    os.environ[A8W4_INTER_FLAG] = "token"
+    os.environ[A8W4_INTER_FLAG] = "group"
     try:
         fused_experts(x, w, ids, weights, spec)
         for config in configs:

@@ -20,6 +20,7 @@ from atom_moe.spec import MoESpec
 from atom_moe.tools.synthetic import random_layer, random_tokens
 from atom_moe.weights import prepare_stacked
 from ep_worker import C, E, H, I, K, full_layer, make_case, make_layer, on_wire, placement, reference
+from kernel_cases import twin_tol
 
 interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                  reason="Triton kernels need a GPU or TRITON_INTERPRET=1 (scripts/test.sh sets it)")
@@ -164,7 +165,8 @@ def test_simulated_ranks_gpu_graph(world, scheme, wire, seed):
         torch.cuda.synchronize()
         for r in range(world):
             ref = reference(full, ref_w, xs[r], ws[r], ids[r], wire)
-            assert rel_err(outs[r], ref) <= 1e-2, f"replay {i} rank {r}: {rel_err(outs[r], ref)}"
+            # a8w4: Hopper's fp8 accumulation moves some e4m3 roundings of GEMM2's input (kernel_cases.twin_tol)
+            assert rel_err(outs[r], ref) <= twin_tol(full, device), f"replay {i} rank {r}: {rel_err(outs[r], ref)}"
     assert group.errors() == [0] * world
 
 

@@ -28,7 +28,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == F8 else t.view(torch.int32)
 
 
-@pytest.mark.parametrize("value, per_token", [(None, False), ("group", False), ("token", True)])
+@pytest.mark.parametrize("value, per_token", [(None, True), ("group", False), ("token", True)])
 def test_flag(monkeypatch, value, per_token):
     if value is None:
         monkeypatch.delenv(A8W4_INTER_FLAG, raising=False)
@@ -40,7 +40,7 @@ def test_flag(monkeypatch, value, per_token):
 
 def test_bad_flag_names_the_allowed_values(monkeypatch):
     monkeypatch.setenv(A8W4_INTER_FLAG, "row")
-    with pytest.raises(SpecError, match=r"ATOM_MOE_A8W4_INTER='row': allowed are group .* or token"):
+    with pytest.raises(SpecError, match=r"ATOM_MOE_A8W4_INTER='row': allowed are token .* or group"):
         Scheme.A8W4.inter_per_token
 
 

@@ -593,11 +593,12 @@ def test_fused_a8w4_flushes_the_blocks_the_twin_flushes(seed):
 
 
 @pytest.mark.parametrize("block_n1", [128, 256])
-def test_a8w4_gemm1_quantizes_its_output_per_64_group(seed, block_n1):
-    # a8w4 quantizes GEMM2's input per token-group-64 (Scheme.inter_group), so GEMM1's tile may be
-    # 128 rows (one group) or 256 (two). Every row's scale of every group (I = 160: two whole groups
-    # and a half one) is that group's amax / 448, and the e4m3 values are the twin's.
+def test_a8w4_gemm1_quantizes_its_output_per_64_group(seed, block_n1, monkeypatch):
+    # a8w4 with ATOM_MOE_A8W4_INTER=group quantizes GEMM2's input per token-group-64 (Scheme.inter_group) in
+    # GEMM1's epilogue, so GEMM1's tile may be 128 rows (one group) or 256 (two). Every row's scale of every group
+    # (I = 160: two whole groups and a half one) is that group's amax / 448, and the e4m3 values are the twin's.
     pytest.importorskip("triton")
+    monkeypatch.setenv("ATOM_MOE_A8W4_INTER", "group")
     from kernel_cases import make_routing, rel_err
     from atom_moe.experts import allocate_workspace, fused_experts
     from atom_moe.kernels.tuning import TileConfig

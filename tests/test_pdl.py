@@ -46,6 +46,7 @@ def test_launch_flags_are_named_for_benchmark_rows(monkeypatch):
     monkeypatch.delenv("ATOM_MOE_PDL", raising=False)
     monkeypatch.delenv("ATOM_MOE_PAIR_BLOCKS", raising=False)
     monkeypatch.delenv("ATOM_MOE_TMA", raising=False)
+    monkeypatch.delenv("ATOM_MOE_A8W4_INTER", raising=False)
     assert launch_flags() == ""
     monkeypatch.setenv("ATOM_MOE_PDL", "1")
     assert launch_flags() == "ATOM_MOE_PDL=1"
@@ -57,6 +58,10 @@ def test_launch_flags_are_named_for_benchmark_rows(monkeypatch):
     assert launch_flags() == "ATOM_MOE_PAIR_BLOCKS=0"
     monkeypatch.setenv("ATOM_MOE_TMA", "1")
     assert launch_flags() == "ATOM_MOE_PAIR_BLOCKS=0 ATOM_MOE_TMA=1"
+    monkeypatch.setenv("ATOM_MOE_A8W4_INTER", "token")  # the default: not named
+    assert launch_flags() == "ATOM_MOE_PAIR_BLOCKS=0 ATOM_MOE_TMA=1"
+    monkeypatch.setenv("ATOM_MOE_A8W4_INTER", "group")
+    assert launch_flags() == "ATOM_MOE_A8W4_INTER=group ATOM_MOE_PAIR_BLOCKS=0 ATOM_MOE_TMA=1"
 
 
 def _chain(spec, p, xs, w, ids, ws, outs, **kwargs) -> None:

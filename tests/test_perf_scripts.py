@@ -320,8 +320,8 @@ def test_every_launch_of_the_ops_builds_for_sm_90a():
         assert has("_gemm2_kernel", "TMA_A=False", "TMA_W=True", "PAIRS=True", *flag.split()), flag
         assert has("_gemm2_kernel", "TMA_A=True", "TMA_W=True", "REMOTE=True", *flag.split()), flag  # symm transport
     assert not any("TMA_W=True" in line and "W4=True" in line for line in built)
-    # a8w4 with ATOM_MOE_A8W4_INTER=token: GEMM1 stores bf16 (sorted rows, split-K's second launch, pair blocks),
-    # the quant launch in both row modes, GEMM2 with one accumulator
+    # a8w4 (one scale per token on GEMM2's input): GEMM1 stores bf16 (sorted rows, split-K's second launch, pair
+    # blocks), the quant launch in both row modes, GEMM2 with one accumulator; and with ATOM_MOE_A8W4_INTER=group
     for phase in ("PHASE=0", "PHASE=2"):
         assert has("_gemm1_kernel", "FP8=True", "W4=True", "QOUT=False", phase), phase
     assert has("_gemm1_kernel", "FP8=True", "W4=True", "QOUT=False", "PAIRS=True")
@@ -329,6 +329,10 @@ def test_every_launch_of_the_ops_builds_for_sm_90a():
     assert has("_gemm2_kernel", "FP8=True", "W4=True", "ROW_SCALE=True") and has("_gemm2_kernel", "ROW_SCALE=True",
                                                                                   "PAIRS=True")
     assert not has("_gemm2_kernel", "W4=False", "ROW_SCALE=True")
+    for phase in ("PHASE=0", "PHASE=2"):
+        assert has("_gemm1_kernel", "FP8=True", "W4=True", "QOUT=True", phase), phase
+    assert has("_gemm1_kernel", "FP8=True", "W4=True", "QOUT=True", "PAIRS=True")
+    assert has("_gemm2_kernel", "FP8=True", "W4=True", "ROW_SCALE=False", "PAIRS=True")
 
 
 def test_compile_all_reports_a_failing_build():

@@ -129,20 +129,26 @@ def test_apply_activation(seed):
     assert torch.allclose(big, torch.tensor([7 * torch.sigmoid(torch.tensor(1.702 * 7)).item() * 8, 0.0]))
 
 
-def test_quant_dequant_activations(seed):
+def test_quant_dequant_activations(seed, monkeypatch):
+    monkeypatch.delenv("ATOM_MOE_A8W4_INTER", raising=False)
     a = torch.randn(5, 200)
     for s in (Scheme.BF16, Scheme.A16W4):
         assert torch.equal(quant_dequant_activations(a, s), a)
     for s in (Scheme.FP8, Scheme.A8W4):
         d = quant_dequant_activations(a, s)
         assert not torch.equal(d, a) and rel_err(d, a) < 4e-2
-    # GEMM1's input: fp8 per 128-group, a8w4 per token; GEMM2's: per 128- and 64-group
+    # GEMM1's input: fp8 per 128-group, a8w4 per token; GEMM2's: fp8 per 128-group, a8w4 per token of the bf16
+    # row (by default) or per 64-group (ATOM_MOE_A8W4_INTER=group)
     cases = [(Scheme.FP8, False, F.quantize_fp8_per_group(a, 128), 128),
              (Scheme.A8W4, False, F.quantize_fp8_per_token_grouped(a, 128), 128),
-             (Scheme.FP8, True, F.quantize_fp8_per_group(a, 128), 128),
-             (Scheme.A8W4, True, F.quantize_fp8_per_group(a, 64), 64)]
+             (Scheme.FP8, True, F.quantize_fp8_per_group(a, 128), 128)]
     for s, inter, (q, sc), group in cases:
         assert torch.equal(quant_dequant_activations(a, s, inter=inter), F.dequantize_fp8_per_group(q, sc, group))
+    q, sc = F.quantize_fp8_per_token(a.bfloat16())
+    assert torch.equal(quant_dequant_activations(a, Scheme.A8W4, inter=True), q.float() * sc)
+    monkeypatch.setenv("ATOM_MOE_A8W4_INTER", "group")
+    q, sc = F.quantize_fp8_per_group(a, 64)
+    assert torch.equal(quant_dequant_activations(a, Scheme.A8W4, inter=True), F.dequantize_fp8_per_group(q, sc, 64))
 
 
 # ---------------------------------------------------------------- reference_moe
