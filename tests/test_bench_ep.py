@@ -15,15 +15,17 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and no
                                 reason="Triton kernels need a GPU or TRITON_INTERPRET=1 (scripts/test.sh sets it)")
 
 
+@pytest.mark.parametrize("scheme", ["fp8", "a8w4"])
 @pytest.mark.parametrize("mode", [FUSED, SPLIT])
-def test_stages_in_order_equal_the_forward(mode, seed):
+def test_stages_in_order_equal_the_forward(mode, scheme, seed):
     """dispatch, routing, gemm1, gemm2, combine run in order give every rank's forward output bit for bit,
-    and running them again (as the timed graph replays do) gives it again."""
+    and running them again (as the timed graph replays do) gives it again (a8w4: the quant launch between the
+    GEMMs runs in the gemm1 stage)."""
     from atom_moe.tools.bench_ep import STAGES, stage_steps
     from atom_moe.ep.simulate import SimulatedSymmGroup
 
     world = 2
-    full = MoESpec.create(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, scheme="fp8",
+    full = MoESpec.create(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K, scheme=scheme,
                           max_tokens_per_rank=C)
     owners = placement("linear", world)
     specs = [full.for_rank(r, world) for r in range(world)]

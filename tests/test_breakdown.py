@@ -84,6 +84,21 @@ def test_kernel_terms_with_pair_blocks():
         "topk_ids read", "counters zero", "w13", "x rows read", "inter write"}
 
 
+def test_kernel_terms_with_the_inter_quant_launch():
+    # a8w4's GEMM2 input per token: GEMM1 writes bf16 and no scales; the quant launch reads it back and writes the
+    # e4m3 rows and one fp32 scale per row; GEMM2 reads those. By hand: 6 pairs, I = 192
+    terms = kernel_terms("a8w4", H, I, T, K, HIT, inter_quant=True)
+    group = kernel_terms("a8w4", H, I, T, K, HIT)
+    assert set(terms) == {"routing", "gemm1", "inter_quant", "gemm2"}
+    assert terms["gemm1"].bytes_by_term == {"w13": 4 * 384 * 128, "w13 scales": 4 * 384 * 8, "x rows read": 3 * 256,
+                                            "x scales read": 3 * 2 * 4, "inter write": 6 * 192 * 2}
+    assert terms["inter_quant"].bytes_by_term == {"inter read": 6 * 192 * 2, "inter_q write": 6 * 192,
+                                                  "inter scales write": 6 * 4}
+    assert terms["inter_quant"].flops == 0
+    assert terms["gemm2"].bytes_by_term == {**EXPECTED["a8w4"]["gemm2"], "inter scales read": 6 * 4}
+    assert terms["routing"] == group["routing"] and terms["gemm1"].flops == group["gemm1"].flops
+
+
 def test_kernel_terms_scale_with_hits_and_tokens():
     # weights scale with distinct experts only; activations with tokens only
     one, two = kernel_terms("fp8", H, I, T, K, 1), kernel_terms("fp8", H, I, T, K, 2)
@@ -180,6 +195,21 @@ def test_measure_rows_replays_each_launch_alone(scheme):
         breakdown._print_row(r, "[0.0 s]")
     table = breakdown.markdown(rows).splitlines()
     assert len(table) == 2 + 4 and all(line.count("|") == table[0].count("|") for line in table)
+
+
+def test_measure_rows_a8w4_names_the_quant_launch(monkeypatch):
+    # a8w4 (GEMM2's input per token, the default): the quant launch between the GEMMs gets its own row and terms
+    pytest.importorskip("triton")
+    if _device() is None:
+        pytest.skip("needs a CUDA GPU or TRITON_INTERPRET=1")
+    monkeypatch.delenv("ATOM_MOE_A8W4_INTER", raising=False)
+    spec, weights, ws, x, w, ids = _tiny_layer("a8w4")
+    rows = breakdown.measure_rows(CallTimer(), spec, weights, ws, x, w, ids, CEIL, sms=132)
+    assert [r["kernel"] for r in rows] == ["routing", "gemm1", "inter_quant", "gemm2", "layer"]
+    terms = kernel_terms("a8w4", 128, 64, 5, 2, int(torch.unique(ids).numel()), inter_quant=True)
+    for r in rows[:4]:
+        assert (r["bytes"], r["flops"]) == (terms[r["kernel"]].bytes, terms[r["kernel"]].flops), r["kernel"]
+    assert rows[4]["note"] == "sum of kernels 8.0 us"
 
 
 @pytest.mark.parametrize("scheme", ["bf16", "fp8"])

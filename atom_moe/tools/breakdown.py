@@ -86,7 +86,8 @@ def _weight_bytes(scheme: str, rows: int, cols: int) -> int:
 
 def kernel_terms(scheme: str, H: int, I: int, T: int, top_k: int, n_hit: int, *,
                  x_bytes: int = 2, id_bytes: int = 4, separate: bool = False,
-                 split_sort: bool = False, pair_blocks: bool = False) -> dict[str, KernelTerms]:
+                 split_sort: bool = False, pair_blocks: bool = False,
+                 inter_quant: bool = False) -> dict[str, KernelTerms]:
     """Bytes each launch must move and flops it must do, for T tokens at EP size 1.
 
     pairs = T * top_k (every slot local), n_hit = distinct experts hit. Activations are
@@ -114,6 +115,8 @@ def kernel_terms(scheme: str, H: int, I: int, T: int, top_k: int, n_hit: int, *,
         from `routing`).
     pair_blocks (T = 1: no routing launch, kernels/routing.py): GEMM1 does the routing launch's work
         and takes its terms, less the sorted pair list it does not write.
+    inter_quant (a8w4's GEMM2 input per token, Scheme.inter_per_token): GEMM1 writes bf16 (pairs*I*2) and no
+        scales; `inter_quant` reads it back and writes the e4m3 rows and one fp32 scale per row, which GEMM2 reads.
     The sum over kernels exceeds common.floor_terms (the layer's compulsory I/O) by the
     intermediate round trips (activation, partials) and the routing launch's own traffic.
     """
@@ -137,9 +140,14 @@ def kernel_terms(scheme: str, H: int, I: int, T: int, top_k: int, n_hit: int, *,
     gemm1["x rows read"] = T * H * act
     if fp8_act:
         gemm1["x scales read"] = T * gH * 4
-    gemm1["inter write"] = pairs * I * act
-    if fp8_act:
-        gemm1["inter scales write"] = pairs * g_inter * 4
+    if inter_quant:
+        g_inter = 1
+        gemm1["inter write"] = pairs * I * 2
+        quant = {"inter read": pairs * I * 2, "inter_q write": pairs * I, "inter scales write": pairs * 4}
+    else:
+        gemm1["inter write"] = pairs * I * act
+        if fp8_act:
+            gemm1["inter scales write"] = pairs * g_inter * 4
 
     gemm2 = {"w2": n_hit * _weight_bytes(scheme, H, I)}
     if scheme == "fp8":
@@ -150,6 +158,8 @@ def kernel_terms(scheme: str, H: int, I: int, T: int, top_k: int, n_hit: int, *,
     if fp8_act:
         gemm2["inter scales read"] = pairs * g_inter * 4
     terms = {"gemm1": KernelTerms(gemm1, 2 * pairs * 2 * I * H)}
+    if inter_quant:
+        terms["inter_quant"] = KernelTerms(quant, 0)
     if separate:
         gemm2["partial write"] = pairs * H * x_bytes
         terms["combine"] = KernelTerms({"topk_ids read": pairs * id_bytes, "partial read": pairs * H * x_bytes,
@@ -286,7 +296,8 @@ def measure_rows(timer: Any, spec: Any, weights: Any, ws: Any, x: torch.Tensor, 
     stages = [launch.stage for launch in launches]
     pair_blocks = "routing" not in stages
     terms = kernel_terms(scheme, H, I, T, k, n_hit, separate="combine" in stages,
-                         split_sort=stages.count("routing") > 1, pair_blocks=pair_blocks)
+                         split_sort=stages.count("routing") > 1, pair_blocks=pair_blocks,
+                         inter_quant="inter_quant" in stages)
     rows = []
     for i, launch in enumerate(launches):
         # the second routing launch is the split sort's scatter (kernels/routing.py)
@@ -308,7 +319,7 @@ def measure_rows(timer: Any, spec: Any, weights: Any, ws: Any, x: torch.Tensor, 
         note += f"; {launch_flags()}"
     if not torch.equal(out, ref):
         note += "; the last lone replay did not rebuild the layer's output (its time is suspect)"
-    if stages not in (["routing", "gemm1", "gemm2"], ["gemm1", "gemm2"]):
+    if [s for s in stages if s != "inter_quant"] not in (["routing", "gemm1", "gemm2"], ["gemm1", "gemm2"]):
         note += f"; launches {stages}"
     nbytes, flops = common.floor_terms(spec, ids, x.element_size())
     rows.append(dict(base, kernel="layer", us=round(layer_us, 2), programs=sum(r["programs"] for r in rows),

@@ -271,8 +271,8 @@ def plot(rows: list[dict], ceil: dict[str, float], path: Path) -> None:
 
 
 # Triton kernel name -> stage name used in kernel_terms and the tables
-STAGES = {"_routing_kernel": "routing", "_gemm1_kernel": "gemm1", "_gemm2_kernel": "gemm2",
-          "_combine_kernel": "combine"}
+STAGES = {"_routing_kernel": "routing", "_gemm1_kernel": "gemm1", "_inter_quant_kernel": "inter_quant",
+          "_gemm2_kernel": "gemm2", "_combine_kernel": "combine"}
 
 
 # ---------------------------------------------------------------- launch recording
@@ -292,7 +292,7 @@ class Launch:
 
     @property
     def stage(self) -> str:
-        """'routing', 'gemm1', 'gemm2', or the kernel's own name."""
+        """'routing', 'gemm1', 'inter_quant', 'gemm2', 'combine', or the kernel's own name."""
         return STAGES.get(self.name, self.name)
 
     @property
