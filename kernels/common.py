@@ -183,6 +183,14 @@ def dot(a, b, acc, INTERP: tl.constexpr):
 
 
 @triton.jit
+def e4m3_scale(amax, nan):
+    """The fp32 scale of an e4m3 group: amax / 448, 1 for an all-zero group. nan = sum(|v| * 0) over the group:
+    NaN where it holds NaN or Inf, so the scale (and every value) goes NaN instead of turning into numbers
+    (docs/formats.md), else 0."""
+    return tl.where(amax > 0, amax / FP8_MAX, 1.0) + nan
+
+
+@triton.jit
 def cast(v, dtype: tl.constexpr, EMULATE: tl.constexpr):
     """fp32 -> dtype, round to nearest even (e4m3 inputs must already be within +-448).
 

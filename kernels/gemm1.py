@@ -31,8 +31,8 @@ import triton.language as tl
 from atom_moe.layouts.gate_up import GateUpKind, GateUpLayout, GateUpTensor, LayoutError, require
 from atom_moe.spec import A8W4_INTER_GROUP
 
-from .common import (FP8_MAX, QGROUP, cast, check_split, interpreting, pdl_options, pdl_release, pdl_wait, register_cap,
-                     scale_strides, tile_desc)
+from .common import (FP8_MAX, QGROUP, cast, check_split, e4m3_scale, interpreting, pdl_options, pdl_release, pdl_wait,
+                     register_cap, scale_strides, tile_desc)
 from .mainloop import k_loop, tile_expert, tile_finish, tile_rows, tile_start
 from .mxfp4 import launch_args, rowexp_arg, scaled_dot
 from .routing import PairBlocks, local_slots, quant_row, zero_counters, zero_row
@@ -137,8 +137,7 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, stride_xs, stride_xs_k, w_ptr, ws_ptr
         NG: tl.constexpr = BLOCK_N // 2 // IGROUP
         grouped = tl.reshape(act, [BLOCK_M, NG, IGROUP])
         amax = tl.max(tl.abs(grouped), 2)
-        # + sum(|v| * 0): NaN for a group holding NaN or Inf (the scale goes NaN, formats.md), else 0
-        scale = tl.where(amax > 0, amax / FP8_MAX, 1.0) + tl.sum(tl.abs(grouped) * 0.0, 2)
+        scale = e4m3_scale(amax, tl.sum(tl.abs(grouped) * 0.0, 2))
         q = tl.reshape(tl.clamp(grouped / scale[:, :, None], -FP8_MAX, FP8_MAX), [BLOCK_M, BLOCK_N // 2])
         tl.store(o_ptrs, cast(q, out_ptr.dtype.element_ty, INTERP), mask=o_mask)
         g = pid_n * NG + tl.arange(0, NG)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FP8_MAX, cast, checked_ids, interpreting
+from .common import FP8_MAX, cast, checked_ids, e4m3_scale, interpreting
 
 
 @triton.jit
@@ -38,8 +38,7 @@ def _inter_quant_kernel(src_ptr, dst_ptr, scale_ptr, sorted_ptr, block_expert_pt
     k_ok = k < inter
     v = tl.load(src_ptr + r64 * inter + k, mask=k_ok, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(v), 0)
-    # + sum(|v| * 0): NaN for a row holding NaN or Inf (the scale goes NaN, docs/formats.md), else 0
-    scale = tl.where(amax > 0, amax / FP8_MAX, 1.0) + tl.sum(tl.abs(v) * 0.0, 0)
+    scale = e4m3_scale(amax, tl.sum(tl.abs(v) * 0.0, 0))
     q = tl.clamp(v / scale, -FP8_MAX, FP8_MAX)
     tl.store(dst_ptr + r64 * inter + k, cast(q, dst_ptr.dtype.element_ty, EMULATE), mask=k_ok)
     tl.store(scale_ptr + r64, scale)

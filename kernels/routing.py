@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FP8_MAX, cast, checked_ids, interpreting, pdl_release
+from .common import FP8_MAX, cast, checked_ids, e4m3_scale, interpreting, pdl_release
 
 # Pairs above which the sort runs as two launches. Program 0 costs 5-8 us per 1024 pairs; on
 # an H200 the split took DeepSeek-V3's routing from 122 to 43 us at 16k pairs and from 406 to
@@ -307,8 +307,7 @@ def quant_row(t64, chunk, x_ptr, stride_x, xq_ptr, xs_ptr, hidden, GROUP: tl.con
     if ROW_SCALE:
         amax = tl.zeros([GPC], tl.float32) + tl.max(amax, 0)
         nan = tl.zeros([GPC], tl.float32) + tl.sum(nan, 0)
-    # + sum(|v| * 0): NaN for a group (ROW_SCALE: a row) holding NaN or Inf (the scale goes NaN, formats.md), else 0
-    scale = tl.where(amax > 0, amax / FP8_MAX, 1.0) + nan
+    scale = e4m3_scale(amax, nan)  # ROW_SCALE: the row's, in every group
     q = tl.clamp(v / scale[:, None], -FP8_MAX, FP8_MAX)
     tl.store(xq_ptr + t64 * hidden + k, cast(q, xq_ptr.dtype.element_ty, EMULATE), mask=km)
     n_groups = tl.cdiv(hidden, GROUP)

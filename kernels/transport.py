@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FP8_MAX, cast, checked_ids, interpreting
+from .common import FP8_MAX, cast, checked_ids, e4m3_scale, interpreting
 
 FUSED, SPLIT = 1, 0  # combine modes, as stored in recv_info[:, 1]
 SPIN_LIMIT = 1 << 30  # barrier polls before giving up and raising the error flag
@@ -61,8 +61,7 @@ def _dispatch_kernel(x_ptr, stride_x, ids_ptr, w_ptr, owner_ptr, delta_ptr,
         if ROW_SCALE:  # one scale for the whole row (a8w4), stored once per group
             amax = tl.zeros([GP2], tl.float32) + tl.max(amax, 0)
             nan = tl.zeros([GP2], tl.float32) + tl.sum(nan, 0)
-        # + sum(|v| * 0): NaN for a group (ROW_SCALE: a row) holding NaN or Inf (the scale goes NaN, formats.md)
-        scale = tl.where(amax > 0, amax / FP8_MAX, 1.0) + nan
+        scale = e4m3_scale(amax, nan)
         row = cast(tl.clamp(vf / scale[:, None], -FP8_MAX, FP8_MAX), rx_ptr.dtype.element_ty, EMULATE)
     else:
         row = cast(v.to(tl.float32), rx_ptr.dtype.element_ty, EMULATE)
