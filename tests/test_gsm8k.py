@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import sys
 import threading
 import time
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from atom_moe.ep.launch import free_port
 from atom_moe.tools import gsm8k
 from atom_moe.tools.args import Parser
 from atom_moe.tools.gsm8k_metrics import exact_match, flexible_extract, normalize, strict_match
@@ -163,12 +163,6 @@ def run_tool(*argv: str) -> int:
     except SystemExit as exc:
         return exc.code
     return gsm8k.run(args)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- end to end against the loopback server ---------------------------------------------

