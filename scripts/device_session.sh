@@ -14,7 +14,10 @@ python3 -c "import sys, torch, triton; print('python', sys.version.split()[0], '
 quiet() { grep -v "no tuned config\|no measured fused\|RuntimeWarning\|warnings.warn"; }
 step() { echo "== $1 [$(date +%T)]"; }
 step "GPU tests"
-timeout 230 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/ 2>&1 | tee "$out/gpu.log" | tail -8
+# four workers: the suite took 269 s on an H100 this way (2026-12-06); -v logs each test as it ends, so a timeout
+# still shows which ran
+timeout 330 python3 -m pytest -v -p no:cacheprovider -m gpu -rs -n 4 tests/ >"$out/gpu.log" 2>&1
+grep "FAILED\|ERROR\|passed\|failed" "$out/gpu.log" | grep -v "^\[gw.\] PASSED" | tail -12
 step "bench --ep 2"
 timeout 110 python3 -m atom_moe.tools.cli bench --ep 2 --shapes deepseek-v3 --schemes bf16 fp8 --tokens 1 128 --iters 10 \
     --csv "$out/bench-ep2.csv" 2>&1 | quiet | tail -8
