@@ -255,7 +255,7 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
         else None
     # programmatic dependent launch (ATOM_MOE_PDL=1, NVIDIA sm_90+): GEMM1 and GEMM2 start while the launch before
     # them finishes; GEMM2 fetches its weights into L2 meanwhile. Local output only
-    wide = spec.scheme.inter_per_token  # a8w4, ATOM_MOE_A8W4_INTER=token: GEMM1 bf16, a quant launch, GEMM2
+    wide = spec.scheme.inter_per_token  # a8w4 unless ATOM_MOE_A8W4_INTER=group: GEMM1 bf16, a quant launch, GEMM2
     pdl = common.pdl(x.device) and remote is None and not wide  # PDL chains GEMM1 straight into GEMM2
     tma = common.tma(x.device)  # ATOM_MOE_TMA=1: bf16 / fp8 tiles through TMA descriptors
     if pairs is not None:

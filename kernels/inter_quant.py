@@ -1,8 +1,8 @@
-"""Quant between GEMM1 and GEMM2 for a8w4 with one scale per token (ATOM_MOE_A8W4_INTER=token).
+"""Quant between GEMM1 and GEMM2 for a8w4 with one scale per token (the default; Scheme.inter_per_token).
 
-By default GEMM1's epilogue quantizes its output per (token, 64-group), the groups its tile holds, and GEMM2
-applies each K step's scales to that step's product, which costs it a second accumulator. With
-`Scheme.inter_per_token` GEMM1 stores bf16 instead and this launch gives each row one e4m3 scale: one program
+With ATOM_MOE_A8W4_INTER=group GEMM1's epilogue quantizes its output per (token, 64-group), the groups its tile
+holds, and GEMM2 applies each K step's scales to that step's product, which costs it a second accumulator. By
+default GEMM1 stores bf16 instead and this launch gives each row one e4m3 scale: one program
 per row of GEMM1's output, the whole row in registers, its amax, the e4m3 row and the scale in column 0 of
 GEMM2's (group-major) scale buffer, the only column GEMM2 then reads (k_loop's ROW_SCALE). Rows that hold no
 pair (padding, row blocks of no expert, pair blocks of another rank's expert) are skipped, as GEMM2 skips them.

@@ -42,7 +42,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # @triton.jit would give interpre
     sys.exit("compile_all.py compiles the real kernels: run it without TRITON_INTERPRET=1")
 
 from atom_moe.kernels import common as kcommon  # noqa: E402
-from atom_moe.kernels import gemm1, gemm2, inter_quant, mxfp4, routing, transport, tuning  # noqa: E402,F401
+from atom_moe.kernels import gemm1, gemm2, inter_quant, mxfp4, routing, transport, tuning  # noqa: E402
 from atom_moe.spec import MoESpec  # noqa: E402
 
 TARGETS = {"sm_90a": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942", 64),
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     JITFunction.run = _record
     os.environ["TRITON_INTERPRET"] = "1"  # only so the ops accept CPU tensors; the kernels stay compilable
-    for mod in (kcommon, gemm1, gemm2, mxfp4, routing, transport):
+    for mod in (kcommon, gemm1, gemm2, inter_quant, mxfp4, routing, transport):
         if hasattr(mod, "interpreting"):
             mod.interpreting = lambda: False
     start = time.time()

@@ -98,8 +98,8 @@ def constexprs(kernel: str, scheme: str, block_m: int, block_n: int, block_k: in
     pairs_hidden > 0: a pair-block call (T = 1, no routing launch, kernels/routing.py) of that H; pdl:
     with programmatic dependent launch (kernels/common.py); tma: bf16 / fp8 tiles through TMA descriptors;
     split > 1: a split-K launch (GEMM1's phase 1 computes the slices, phase 2 adds them; GEMM2 in one launch);
-    row_scale: a8w4 with one scale per token on GEMM2's input (ATOM_MOE_A8W4_INTER=token): GEMM1 stores bf16,
-    GEMM2 keeps one accumulator."""
+    row_scale: a8w4 with one scale per token on GEMM2's input (the default; off: ATOM_MOE_A8W4_INTER=group): GEMM1
+    stores bf16, GEMM2 keeps one accumulator."""
     common = dict(FP8=scheme in ("fp8", "a8w4"), W4=scheme in ("a16w4", "a8w4"), BIG=False, HAS_BIAS=True,
                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
                   IGROUP=Scheme(scheme).inter_group, INTERP=False, SCALED=scaled and scheme == "a8w4")
@@ -141,7 +141,7 @@ def compile_sass(args: argparse.Namespace) -> tuple[dict, str]:
     if args.kernel == "gemm2" and args.pairs_hidden:  # the counter combine's partials are the fp32 workspace
         sig = {**sig, "partial_ptr": "*fp32"}
     if args.row_scale and args.scheme != "a8w4":
-        raise SystemExit("--row-scale: a8w4 only (ATOM_MOE_A8W4_INTER=token)")
+        raise SystemExit(f"--row-scale: a8w4 only (one scale per token on GEMM2's input), got --scheme {args.scheme}")
     if args.row_scale and args.kernel == "gemm1":  # GEMM1 then stores bf16 (kernels/inter_quant.py quantizes it)
         sig = {**sig, "out_ptr": "*bf16"}
     ce = constexprs(args.kernel, args.scheme, args.block_m, args.block_n, args.block_k, args.top_k,
@@ -209,8 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pdl", action="store_true", help="with programmatic dependent launch (ATOM_MOE_PDL=1: GEMM2 "
                    "prefetches its weight tile into L2 and waits for GEMM1)")
     p.add_argument("--tma", action="store_true", help="bf16 / fp8 tiles through TMA descriptors (ATOM_MOE_TMA=1)")
-    p.add_argument("--row-scale", action="store_true", help="a8w4 with one scale per token on GEMM2's input "
-                   "(ATOM_MOE_A8W4_INTER=token): GEMM1 stores bf16, GEMM2 keeps one accumulator")
+    p.add_argument("--row-scale", action="store_true", help="a8w4 with one scale per token on GEMM2's input (what "
+                   "runs by default; without it a8w4 compiles ATOM_MOE_A8W4_INTER=group's path): GEMM1 stores bf16, "
+                   "GEMM2 keeps one accumulator")
     p.add_argument("--scaled", action="store_true", help="a8w4 through tl.dot_scaled (gfx950's path; on sm_90a "
                    "Triton decomposes it)")
     p.add_argument("--top", type=int, default=16, help="most frequent instructions to list")
