@@ -9,8 +9,6 @@ rank. EP 1 in process: the pick by the batch's own size, the custom op with an a
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,9 +20,8 @@ from atom_moe.reference import ReferenceWeights, reference_moe
 from atom_moe.spec import MoESpec
 from atom_moe.tools.synthetic import random_layer, random_tokens
 from atom_moe.weights import prepare_stacked
-from atom_moe.ep.launch import free_port
 from engine_common import record_instance_calls
-from test_ep_multiproc import _clean_env, _wait, assert_all_passed
+from test_ep_multiproc import assert_all_passed, run_ranks as run_multiproc_ranks
 
 WORKER = Path(__file__).with_name("ep_instances_worker.py")
 
@@ -51,12 +48,8 @@ def test_two_ranks_symm_transport(seed):
 
 
 def run_ranks(scenario: str, world: int, seed: int, timeout: float):
-    """Launch `world` instance workers with torchrun-style env; return [(rc, stdout, stderr)] by rank."""
-    env = _clean_env(seed, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world))
-    procs = [subprocess.Popen([sys.executable, str(WORKER), scenario],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
-    return _wait(procs, timeout)
+    """Launch `world` instance workers; return [(rc, stdout, stderr)] by rank."""
+    return run_multiproc_ranks(scenario, world, seed, timeout, worker=WORKER)
 
 
 def _layer(seed: int, scheme: str = "bf16"):

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,27 +35,43 @@ def _clean_env(seed: int, **extra: str) -> dict[str, str]:
     return env
 
 
-def _wait(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
-    """Wait for all; on timeout kill every process and fail with what they printed."""
-    deadline = time.monotonic() + timeout
-    results = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            results.append((p.returncode, out, err))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        dumps = [p.communicate() for p in procs]
-        pytest.fail(f"EP ranks did not finish within {timeout}s (hang):\n"
-                    + "\n".join(f"--- proc {i}\n{o[-3000:]}\n{e[-3000:]}" for i, (o, e) in enumerate(dumps)))
-    return results
+def _wait(procs: list[subprocess.Popen], timeout: float, grace: float = 30.0) -> list[tuple[int, str, str]]:
+    """Wait for all; fail with what every process printed when one runs past `timeout`, or when a rank failed and
+    the others are still running `grace` seconds later (an error must reach every rank, not leave them hanging)."""
+    outputs: list[tuple[str, str] | None] = [None] * len(procs)
+
+    def drain(i: int) -> None:  # one reader per process: a rank blocked on a full pipe would look like a hang
+        outputs[i] = procs[i].communicate()
+
+    readers = [threading.Thread(target=drain, args=(i,), daemon=True) for i in range(len(procs))]
+    for t in readers:
+        t.start()
+    deadline, stuck_after = time.monotonic() + timeout, None
+    while any(p.poll() is None for p in procs):
+        now = time.monotonic()
+        failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+        if failed and stuck_after is None:
+            stuck_after = now + grace
+        if now > deadline or (stuck_after is not None and now > stuck_after):
+            alive = [i for i, p in enumerate(procs) if p.poll() is None]
+            for p in procs:
+                p.kill()
+            for t in readers:
+                t.join()
+            why = (f"ranks {failed} failed and ranks {alive} were still running {grace:.0f}s later"
+                   if failed else f"EP ranks did not finish within {timeout}s (hang)")
+            pytest.fail(why + ":\n" + "\n".join(f"--- proc {i} rc={p.returncode}\n{o[-3000:]}\n{e[-3000:]}"
+                                                 for i, (p, (o, e)) in enumerate(zip(procs, outputs))))
+        time.sleep(0.2)
+    for t in readers:
+        t.join()
+    return [(p.returncode, *out) for p, out in zip(procs, outputs)]
 
 
-def run_ranks(scenario: str, world: int, seed: int, timeout: float = 150, **extra: str):
+def run_ranks(scenario: str, world: int, seed: int, timeout: float = 150, worker: Path = WORKER, **extra: str):
     """Launch `world` workers with torchrun-style env; return [(rc, stdout, stderr)] by rank."""
     env = _clean_env(seed, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world), **extra)
-    procs = [subprocess.Popen([sys.executable, str(WORKER), scenario],
+    procs = [subprocess.Popen([sys.executable, str(worker), scenario],
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
     return _wait(procs, timeout)
@@ -136,3 +153,14 @@ def test_symm_transport_matches_reference(seed):
     """2 processes, shared-file heaps, the op's symm transport: 4 schemes x 4 routings (mixed combine modes)."""
     res = assert_all_passed(run_ranks("symm", 2, seed, timeout=400), 1 + 4 * (1 + 4 + 4 + 1) + 1)
     assert {r["tokens"] for r in res if "tokens" in r} >= {0, 12}
+
+
+def test_wait_stops_soon_after_one_rank_fails():
+    """A rank that exits non-zero while another hangs fails the test after the grace period, not the timeout."""
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for code in ("import sys; print('rank 0 gave up'); sys.exit(3)", "import time; time.sleep(600)")]
+    t0 = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match=r"ranks \[0\] failed and ranks \[1\] were still running") as err:
+        _wait(procs, timeout=300, grace=1.0)
+    assert time.monotonic() - t0 < 30 and "rank 0 gave up" in str(err.value)
+    assert procs[1].returncode is not None  # killed, not left behind
