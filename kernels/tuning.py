@@ -100,8 +100,14 @@ MAX_SPLIT_K = 8  # kernels/common.py's bound (no triton import here)
 SPLIT_MAX_PAIRS = 128  # kernels/common.py's: split-K only for decode batches
 MIN_BLOCK_M = 16
 A8W4_SPLIT_BELOW_PROGRAMS = 128  # a8w4 at T = 1: split GEMM1's K below this many programs
+# A tuned row serves T up to this factor away from its bucket; further out the heuristic, which follows the rows per
+# expert, runs: the H100 table's one qwen3 a8w4 row (T = 1, 16-row tiles) took 3.0x the heuristic's time at T = 8192
+# (2026-12-06, docs/perf/a8w4-128-row-tune-h100-2026-12-06-trials.csv). The shipped tables step by 4x, so every T
+# between two buckets is within 2x of one
+BUCKET_REACH = 4
 A8W4_ROWS_16 = 8  # a8w4 from T = 2: 16-row tiles up to this many rows per expert, 32-row ones above
 A8W4_ROWS_64 = 32  # ... and 64-row ones from this many on
+A8W4_ROWS_128 = 160  # ... and 128-row ones with 8 warps from this many on
 MIN_BLOCK_N2 = 32
 
 _tables: dict[tuple[str, ...], list[list[dict]]] = {}
@@ -184,6 +190,12 @@ def heuristic(scheme: str, hidden: int, inter: int, num_experts: int, top_k: int
             return TileConfig(16, 128, 128, 4, 4, 64, 64, 4, 4)
         if rows < A8W4_ROWS_64:
             return TileConfig(32, 128, 128, 4, 4, 64, 64, 4, 4)
+        # With one accumulator in both GEMMs (GEMM2's input per token), 128-row tiles no longer spill: on an H100
+        # (2026-12-06, `tune --configs`) 128 x 128 x 128 with a 256-wide GEMM2, 8 warps each, took 0.89-0.97 of
+        # the 64-row time at T = 8192 on five served shapes (170-512 rows); at T = 2048 (43-128 rows) 64 rows
+        # stayed best (docs/perf/a8w4-one-accumulator-h100.md, section 6)
+        if rows >= A8W4_ROWS_128:
+            return TileConfig(128, 128, 128, 8, 3, 256, 64, 8, 3)
         return TileConfig(64, 128, 128, 4, 3, 128, 64, 4, 3)
     if scheme in FP8_ACT:  # BLOCK_M 128 with a 256-wide fp32 tile spills: cap at 64
         # From 17 rows per expert on, 64-row tiles with 8 warps: on an H200 (2026-12-02) the 32-row
@@ -206,20 +218,39 @@ def heuristic(scheme: str, hidden: int, inter: int, num_experts: int, top_k: int
 
 def lookup(device: str, scheme: str, hidden: int, inter: int, num_experts: int, top_k: int,
            tokens: int) -> TileConfig:
-    """Tuned config of the nearest token bucket for this exact shape, else the heuristic (logged once)."""
+    """Tuned config of the nearest token bucket for this exact shape, if within BUCKET_REACH of T; else the
+    heuristic (logged once per shape and reason)."""
     device, scheme = device.strip().lower(), scheme.lower()
     key = (device, scheme, hidden, inter, num_experts, top_k)
     for group in _load(override_dirs()):
         rows = [r for r in group if (r["device"], r["scheme"], r["H"], r["I"], r["E"], r["top_k"]) == key]
         if rows:
-            best = min(rows, key=lambda r: (abs(math.log2(r["tokens"]) - math.log2(max(tokens, 1))), r["tokens"]))
+            best = min(rows, key=lambda r: (bucket_distance(r["tokens"], tokens), r["tokens"]))
+            if bucket_distance(best["tokens"], tokens) > math.log2(BUCKET_REACH):
+                if (key, "far") not in _warned:
+                    _warned.add((key, "far"))
+                    log.warning("tuned rows for %s are at T = %s only: T = %d and others more than %dx away from "
+                                "them use the heuristic", _describe(key),
+                                ", ".join(str(t) for t in sorted({r["tokens"] for r in rows})), tokens, BUCKET_REACH)
+                break
             cfg = TileConfig(**{c: best[c] for c in CONFIG_COLUMNS})
             cfg.check(scheme)
             return cfg
-    if key not in _warned:
-        _warned.add(key)
-        log.warning("no tuned config for %s, using heuristic", _describe(key))
+    else:
+        if key not in _warned:
+            _warned.add(key)
+            log.warning("no tuned config for %s, using heuristic", _describe(key))
     return heuristic(scheme, hidden, inter, num_experts, top_k, tokens)
+
+
+def bucket_distance(bucket: int, tokens: int) -> float:
+    """How far a tuned token bucket is from T, in doublings."""
+    return abs(math.log2(bucket) - math.log2(max(tokens, 1)))
+
+
+def within_reach(buckets: list[int], tokens: int) -> bool:
+    """Whether `lookup` takes a tuned row for T from these buckets, rather than the heuristic."""
+    return any(bucket_distance(b, tokens) <= math.log2(BUCKET_REACH) for b in buckets)
 
 
 def tuned_buckets(device: str, scheme: str, hidden: int, inter: int, num_experts: int, top_k: int

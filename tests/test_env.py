@@ -52,9 +52,11 @@ def test_override_dir_from_either_variable_is_read_first(tmp_path, capsys, monke
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("ATOM_MOE_CONFIG_DIR", str(tmp_path))  # the alias of ATOM_FLYDSL_KERNELS_PATH
     assert main(["env", "deepseek-v3", "--scheme", "bf16", "--ep", "8", "--device-name", "NVIDIA H200",
-                 "--tokens", str(tokens), "8192"]) == 0
+                 "--tokens", str(tokens), str(2 * tokens), "8192"]) == 0
     out = capsys.readouterr().out
-    assert f"EP 8 (H=7168 I=2048 E_local=32 top_k=8): tuned at T = {tokens} ({tmp_path}); T = 8192 use the nearest" in out
+    assert (f"EP 8 (H=7168 I=2048 E_local=32 top_k=8): tuned at T = {tokens} ({tmp_path}); T = {2 * tokens} use the "
+            f"nearest tuned bucket; T = 8192 use the heuristic (more than {tuning.BUCKET_REACH}x from a tuned bucket)"
+            ) in out
     monkeypatch.setenv("ATOM_MOE_CONFIG_DIR", str(tmp_path / "missing"))
     assert main(["env"]) == 1
     assert "names folders that do not exist" in capsys.readouterr().out

@@ -33,20 +33,38 @@ def _write(path, rows):
 
 
 def test_nearest_bucket_and_override_precedence(tmp_path, monkeypatch):
-    _write(tmp_path / "a.csv", [_row("Test GPU", "bf16", 512, 256, 16, 4, t, bm) for t, bm in
-                                ((1, 16), (64, 32), (1024, 128))])
+    _write(tmp_path / "a.csv", [_row("Test GPU", "bf16", 512, 256, 16, 4, t, bm, n1=n1) for t, bm, n1 in
+                                ((1, 16, 32), (4, 32, 32), (16, 128, 32), (256, 64, 32))])
     monkeypatch.setenv("ATOM_FLYDSL_KERNELS_PATH", str(tmp_path))
     look = lambda T: tuning.lookup("test gpu", "bf16", 512, 256, 16, 4, T)  # noqa: E731
-    assert [look(T).block_m for T in (1, 3, 8, 10, 64, 200, 300, 9000)] == [16, 16, 16, 32, 32, 32, 128, 128]  # ties go to the smaller bucket
+    # ties go to the smaller bucket; 64 is 4x from both 16 and 256
+    assert [look(T).block_m for T in (1, 2, 3, 8, 10, 64, 65, 1024)] == [16, 16, 32, 32, 128, 128, 64, 64]
+    assert look(1025) == tuning.heuristic("bf16", 512, 256, 16, 4, 1025) and look(1025).block_n1 != 32  # out of reach
     # a second dir via the alias takes precedence over the shipped tables but not over the first var
     other = tmp_path / "b"
     other.mkdir()
     _write(other / "b.csv", [_row("test gpu", "bf16", 512, 256, 16, 4, 64, 64)])
     monkeypatch.setenv("ATOM_MOE_CONFIG_DIR", str(other))
     tuning.clear_cache()
-    assert look(64).block_m == 32
+    assert look(64).block_m == 128
     monkeypatch.delenv("ATOM_FLYDSL_KERNELS_PATH")
     assert look(64).block_m == 64
+
+
+def test_buckets_further_than_the_reach_give_the_heuristic(tmp_path, monkeypatch, caplog):
+    """A shape tuned at T = 1 only does not run its 16-row tiles at T = 8192: past BUCKET_REACH the heuristic does,
+    and says so once."""
+    _write(tmp_path / "a.csv", [_row("test gpu", "a8w4", 7168, 2048, 256, 8, 1, 16, n1=128)])
+    monkeypatch.setenv("ATOM_MOE_CONFIG_DIR", str(tmp_path))
+    look = lambda T: tuning.lookup("test gpu", "a8w4", 7168, 2048, 256, 8, T)  # noqa: E731
+    with caplog.at_level(logging.WARNING, logger="atom_moe.kernels"):
+        assert look(tuning.BUCKET_REACH) == look(1)
+        assert look(tuning.BUCKET_REACH).block_k1 == 64  # the row's own k step, not the heuristic's 128
+        for T in (tuning.BUCKET_REACH + 1, 2048, 8192):
+            assert look(T) == tuning.heuristic("a8w4", 7168, 2048, 256, 8, T), T
+    far = [r.getMessage() for r in caplog.records if "use the heuristic" in r.getMessage()]
+    assert len(far) == 1 and "at T = 1 only" in far[0] and f"more than {tuning.BUCKET_REACH}x" in far[0], far
+    assert tuning.within_reach([1, 2048], 4) and not tuning.within_reach([1, 2048], 64)
 
 
 def test_heuristic_logs_once_per_shape(caplog):
@@ -107,19 +125,23 @@ def test_a8w4_heuristic_steps_gemm1_by_128_and_splits_it_at_one_token_where_prog
 
 
 def test_a8w4_heuristic_block_m_follows_its_own_row_thresholds():
-    """The H200-measured rule (kernels/tuning.py, docs/perf/tune-h200-a8w4-2026-12-06.md), T >= 2: 16-row tiles up
-    to 8 rows per expert, 32-row ones below 32, then 64-row ones with GEMM2 128 wide on 4 warps."""
+    """The measured rule (kernels/tuning.py; H200: docs/perf/tune-h200-a8w4-2026-12-06.md, H100:
+    a8w4-one-accumulator-h100.md section 6), T >= 2: 16-row tiles up to 8 rows per expert, 32-row ones below 32,
+    64-row ones with GEMM2 128 wide on 4 warps below 160, then 128 x 128 x 128 with GEMM2 256 wide, 8 warps each."""
     # (E, top_k, T) -> BLOCK_M; rows per expert T * top_k / E in the comments
     want = {(256, 8, 2): 16, (256, 8, 128): 16,  # 0.06, 4
             (384, 6, 512): 16,  # 8: the last 16-row case
             (384, 8, 512): 32, (256, 8, 512): 32, (257, 9, 512): 32, (160, 8, 512): 32,  # 10.7, 16, 17.9, 25.6
             (128, 8, 496): 32,  # 31
-            (128, 8, 512): 64, (384, 6, 2048): 64, (256, 8, 8192): 64}  # 32: the first 64-row case, 32, 256
+            (128, 8, 512): 64, (384, 6, 2048): 64, (128, 8, 2048): 64,  # 32: the first 64-row case, 32, 128
+            (256, 8, 5112): 64,  # 159.75: the last 64-row case
+            (256, 8, 5120): 128, (384, 8, 8192): 128, (256, 8, 8192): 128}  # 160, 170.7, 256
     for (E, k, T), bm in want.items():
         cfg = tuning.heuristic("a8w4", 5120, 1536, E, k, T)
         assert cfg.block_m == bm, (E, k, T, cfg)
-        assert (cfg.block_n1, cfg.block_k1, cfg.warps1, cfg.block_k2) == (128, 128, 4, 64), cfg
-        assert (cfg.block_n2, cfg.warps2, cfg.stages1, cfg.stages2) == ((128, 4, 3, 3) if bm == 64 else (64, 4, 4, 4))
+        assert (cfg.block_n1, cfg.block_k1, cfg.block_k2) == (128, 128, 64), cfg
+        assert (cfg.block_n2, cfg.warps1, cfg.warps2, cfg.stages1, cfg.stages2) == {
+            128: (256, 8, 8, 3, 3), 64: (128, 4, 4, 3, 3)}.get(bm, (64, 4, 4, 4, 4)), cfg
         cfg.check("a8w4")
 
 

@@ -190,11 +190,11 @@ def run_scheme(model: str, scheme: Scheme, device: torch.device, ep: int, tokens
             out, ms = _timed(layer, device, repeats, warmup=False)
         done()
         err = ((out - ref).norm() / ref.norm()).item()
-        rows.append({**row, "rel_err": err, "ms": ms, "note": path.note + tiles_note(path, ranks[0], device)})
+        rows.append({**row, "rel_err": err, "ms": ms, "note": path.note + tiles_note(path, ranks[0], tokens, device)})
     return rows
 
 
-def tiles_note(path: PathChoice, spec: MoESpec, device: torch.device) -> str:
+def tiles_note(path: PathChoice, spec: MoESpec, tokens: int, device: torch.device) -> str:
     """On a GPU, whether the Triton rows ran tuned tiles or the heuristic (the demo's 64 experts are rarely tuned)."""
     if path.name != "triton" or device.type != "cuda":
         return ""
@@ -202,7 +202,9 @@ def tiles_note(path: PathChoice, spec: MoESpec, device: torch.device) -> str:
     from ..kernels import tuning
     have, _ = tuning.tuned_buckets(device_name(device), spec.scheme.value, spec.hidden_size,
                                    spec.intermediate_size, spec.num_local_experts, spec.top_k)
-    return ", tuned tiles" if have else ", heuristic tiles (no tuned row for this shape)"
+    if not have:
+        return ", heuristic tiles (no tuned row for this shape)"
+    return ", tuned tiles" if tuning.within_reach(have, tokens) else ", heuristic tiles (no tuned row near this T)"
 
 
 def format_table(rows: list[dict]) -> str:

@@ -111,10 +111,13 @@ def tuned_coverage(model: str, scheme: str | None, eps: list[int], tokens: list[
                 if not have:
                     lines.append(f"{head} no tuned rows: every T uses the heuristic tiles")
                     continue
-                missing = [t for t in tokens if t not in have]
+                near = [t for t in tokens if t not in have and tuning.within_reach(have, t)]
+                far = [t for t in tokens if not tuning.within_reach(have, t)]
                 where = "built-in table" if source == str(tuning.CONFIG_DIR) else source
                 lines.append(f"{head} tuned at T = {', '.join(map(str, have))} ({where})"
-                             + (f"; T = {', '.join(map(str, missing))} use the nearest tuned bucket" if missing else ""))
+                             + (f"; T = {', '.join(map(str, near))} use the nearest tuned bucket" if near else "")
+                             + (f"; T = {', '.join(map(str, far))} use the heuristic (more than "
+                                f"{tuning.BUCKET_REACH}x from a tuned bucket)" if far else ""))
     return lines
 
 
