@@ -276,8 +276,9 @@ def test_tile_configs_agree(seed, scheme):
     twin = experts_torch(x, w, ids, p, spec)
     base = heuristic(scheme, H, I, 6, 3, T)
     mx = scheme in ("a16w4", "a8w4")  # MX tiles: whole 16 x 64 blocks
-    # fp8 n2 256: two w2 blocks; 128 rows: a8w4 loads each step's activation scales at its top
-    for bm, n2, k in ((16, 32, 32), (32, 64, 64), (64, 128, 128), (64, 256, 128), (128, 64, 64)):
+    # fp8 n2 256: two w2 blocks; 128 rows: a8w4 loads each step's activation scales at its top; 128 rows with
+    # n2 256 and a 128-k GEMM1: a8w4's large-T heuristic tile (kernels/tuning.py A8W4_ROWS_128)
+    for bm, n2, k in ((16, 32, 32), (32, 64, 64), (64, 128, 128), (64, 256, 128), (128, 64, 64), (128, 256, 128)):
         if mx:
             k = max(k, 64)
         # a8w4: GEMM1 128 or 256 rows wide (one or two 64-groups of GEMM2's input), GEMM2 steps K by 64
