@@ -191,7 +191,7 @@ def heuristic(scheme: str, hidden: int, inter: int, num_experts: int, top_k: int
         if rows < A8W4_ROWS_64:
             return TileConfig(32, 128, 128, 4, 4, 64, 64, 4, 4)
         # With one accumulator in both GEMMs (GEMM2's input per token), 128-row tiles no longer spill: on an H100
-        # (2026-12-06, `tune --configs`) 128 x 128 x 128 with a 256-wide GEMM2, 8 warps each, took 0.89-0.97 of
+        # (2026-12-06, `tune --configs`) 128 x 128 x 128 with a 256-wide GEMM2, 8 warps each, took 0.89-0.96 of
         # the 64-row time at T = 8192 on five served shapes (170-512 rows); at T = 2048 (43-128 rows) 64 rows
         # stayed best (docs/perf/a8w4-one-accumulator-h100.md, section 6)
         if rows >= A8W4_ROWS_128:
