@@ -226,7 +226,7 @@ def lookup(device: str, scheme: str, hidden: int, inter: int, num_experts: int, 
         rows = [r for r in group if (r["device"], r["scheme"], r["H"], r["I"], r["E"], r["top_k"]) == key]
         if rows:
             best = min(rows, key=lambda r: (bucket_distance(r["tokens"], tokens), r["tokens"]))
-            if bucket_distance(best["tokens"], tokens) > math.log2(BUCKET_REACH):
+            if not within_reach([best["tokens"]], tokens):
                 if (key, "far") not in _warned:
                     _warned.add((key, "far"))
                     log.warning("tuned rows for %s are at T = %s only: T = %d and others more than %dx away from "

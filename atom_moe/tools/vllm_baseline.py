@@ -391,43 +391,38 @@ def _gate_up(spec, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tup
     return _bf16(xf @ gate.T), _bf16(xf @ up.T)
 
 
-def reference_gate_up(weights, spec, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """[T, k, 2I] fp32: the reference of GEMM1's output per (token, slot), gate then up, rounded to bf16 as
-    vLLM stores it; zeros where no local expert is hit."""
-    T, k = topk_ids.shape
-    out = torch.zeros(T, k, 2 * spec.intermediate_size, dtype=torch.float32, device=x.device)
-    for gate, up, _, tokens, slots in _experts_hit(weights, topk_ids):
-        out[tokens, slots] = torch.cat(_gate_up(spec, x[tokens], gate, up), dim=-1)
-    return out
-
-
-def reference_rows(weights, spec, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                   swiglu: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 reference of these rows with vLLM's roundings, from only the experts they hit.
+def reference_stages(weights, spec, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                     swiglu: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(GEMM1 [T, k, 2I], output [T, H]): fp32 references of these rows with vLLM's roundings, in one pass over
+    the experts they hit; GEMM1 gate then up, zeros where no local expert is hit.
 
     atom_moe.reference's math on the dequantized weights, rounded where vLLM's path stores bf16:
     GEMM1's output, the SwiGLU output (which fp8 then quantizes per 128-group: from bf16, unlike
     our fused epilogue, which costs vLLM's fp8 ~2% against a reference quantizing from fp32) and
     GEMM2's weighted output; fp8 activations quantized by vLLM's rule (group_quant_dequant).
 
-    swiglu: [T, k, I], the SwiGLU output a vLLM run stored; given, the reference quantizes and multiplies that
-    instead of its own. fp8 needs it for a comparison that is not a lottery: a group's e4m3 scale follows its
+    swiglu: [T, k, I], the SwiGLU output a vLLM run stored; given, the output continues from it instead of the
+    reference's own. fp8 needs it for a comparison that is not a lottery: a group's e4m3 scale follows its
     largest value, and when GEMM1's sum order moves that value across a bf16 rounding tie, all 128 codes of the
-    group change (1.5e-2 of the row, seed 658876577 of test_vllm_layer_matches_reference; tests check GEMM1 on
-    its own against reference_gate_up).
+    group change (1.5e-2 of the row, seed 658876577 of test_vllm_layer_matches_reference). GEMM1 is then checked
+    on its own against the first result.
     """
-    fp8 = spec.scheme.fp8_activations
-    out = torch.zeros(x.shape[0], spec.hidden_size, dtype=torch.float32, device=x.device)
+    T, k = topk_ids.shape
+    gate_up = torch.zeros(T, k, 2 * spec.intermediate_size, dtype=torch.float32, device=x.device)
+    out = torch.zeros(T, spec.hidden_size, dtype=torch.float32, device=x.device)
     for gate, up, down, tokens, slots in _experts_hit(weights, topk_ids):
-        if swiglu is None:
-            g, u = _gate_up(spec, x[tokens], gate, up)
-            a = _bf16(torch.nn.functional.silu(g) * u)
-        else:
-            a = swiglu[tokens, slots].float()
-        if fp8:
+        g, u = _gate_up(spec, x[tokens], gate, up)
+        gate_up[tokens, slots] = torch.cat((g, u), dim=-1)
+        a = _bf16(torch.nn.functional.silu(g) * u) if swiglu is None else swiglu[tokens, slots].float()
+        if spec.scheme.fp8_activations:
             a = group_quant_dequant(a)
         out.index_add_(0, tokens, _bf16((a @ down.T) * topk_weights[tokens, slots].float().unsqueeze(1)))
-    return out
+    return gate_up, out
+
+
+def reference_rows(weights, spec, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """[T, H] fp32: the output reference of these rows with vLLM's roundings (reference_stages)."""
+    return reference_stages(weights, spec, x, topk_weights, topk_ids)[1]
 
 
 def group_quant_dequant(a: torch.Tensor) -> torch.Tensor:
@@ -452,12 +447,12 @@ def check(layer: VllmMoE, weights, spec, x: torch.Tensor, topk_weights: torch.Te
     ours (when given). Returns the errors as text; raises RuntimeError above MAX_REL_ERR.
 
     Against the reference stage by stage: GEMM1's output on its own, then the output continued from vLLM's own
-    SwiGLU output (reference_rows' `swiglu`: a bf16 tie in GEMM1 would otherwise rescale a whole fp8 group)."""
+    SwiGLU output (reference_stages' `swiglu`: a bf16 tie in GEMM1 would otherwise rescale a whole fp8 group)."""
     stages: dict[str, torch.Tensor] = {}
     y = layer.forward(x, topk_weights, topk_ids, stages)
     n = min(rows, x.shape[0])
-    err_gemm1 = rel(stages["gate_up"][:n], reference_gate_up(weights, spec, x[:n], topk_ids[:n]))
-    ref = reference_rows(weights, spec, x[:n], topk_weights[:n], topk_ids[:n], swiglu=stages["swiglu"][:n])
+    ref_gate_up, ref = reference_stages(weights, spec, x[:n], topk_weights[:n], topk_ids[:n], stages["swiglu"][:n])
+    err_gemm1 = rel(stages["gate_up"][:n], ref_gate_up)
     err = rel(y[:n], ref)
     text = f"vs reference ({n} rows) {err:.2e}, GEMM1 {err_gemm1:.2e}"
     ok = max(err, err_gemm1) <= MAX_REL_ERR  # also NaN
