@@ -5,8 +5,9 @@
 # (python3 scripts/vllm_baseline_src.py).
 #   bash scripts/device_tables.sh kernels   # issue 22: bf16 / fp8 beside vLLM, uniform and skewed, T = 1-8192
 #   bash scripts/device_tables.sh mxfp4     # issue 19: a16w4 / a8w4, triton_kernels beside our a16w4, both routings
-# The same commands, run by hand on an H200 on 2026-12-05, took 7-8 minutes a part (docs/perf/kernels-h200.md,
-# mxfp4-h200.md); this script itself has not run on a GPU yet.
+# The same commands, run by hand on an H200 on 2026-12-05, took 7-8 minutes a part (docs/perf/kernels-h200.md).
+# `TK=0 ... mxfp4` ran on an H200 on 2026-12-06: nine shapes uniform (fp8, a16w4, a8w4) and skewed (fp8, a8w4) in
+# 297 s (docs/perf/mxfp4-h200.md); the kernels part has not run as this script yet.
 # SHAPES (default: the five presets and the four seed shapes), STEP_S (seconds per shape and step, default 60),
 # DEADLINE_S (no new shape starts after this many seconds, default 540: a device call ends at 600 s), TK=0 (mxfp4:
 # skip triton_kernels). Each shape's rows are merged into $OUT as soon as it ends, so a call cut short still returns

@@ -92,6 +92,39 @@ def test_device_tables_script_parses_and_refuses_an_unknown_part():
     assert proc.returncode == 2 and "allowed are kernels or mxfp4" in proc.stderr
 
 
+def _device_tables_functions() -> str:
+    """device_tables.sh's late and merge_all, to run on the CPU without its GPU steps."""
+    text = (ROOT / "scripts" / "device_tables.sh").read_text()
+    return "\n".join(text[text.index(f"\n{name}() {{"):].split("\n}\n")[0] + "\n}" for name in ("late", "merge_all"))
+
+
+def test_device_tables_merges_what_each_shape_wrote_and_stops_at_the_deadline(tmp_path):
+    # a call cut short must still return the shapes it finished: merge_all folds every per-shape CSV of one output
+    # (bench rows, then triton_kernels' rows) into $out, skips an output with none yet, and late() stops new shapes
+    work, out = tmp_path / "work", tmp_path / "out"
+    for tag, impl, us in (("mx-uniform", "atom_moe", 10.0), ("tk-uniform", "triton_kernels", 12.0)):
+        (work / tag).mkdir(parents=True)
+        _write(work / tag / "s.csv", [dict(_row("a16w4", 8, 0.5, impl), us=us)])
+    _write(work / "mx-uniform" / "t.csv", [dict(_row("a8w4", 8, 0.5), shape="t")])
+    out.mkdir()
+    script = _device_tables_functions() + f"""
+work={work}; out={out}; deadline_s=100000
+merge_all mxfp4-uniform; merge_all mxfp4-skewed
+late "x s" || echo "on time"
+deadline_s=0; late "x s" && echo "after"
+"""
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "on time" and lines[2] == "after", proc.stdout
+    assert lines[1].startswith("  x s: skipped, ") and lines[1].endswith(" s >= DEADLINE_S 0"), proc.stdout
+    assert sorted(f.name for f in out.iterdir()) == ["mxfp4-uniform.csv"]
+    rows = {(r["shape"], r["scheme"], r["impl"]): float(r["us"]) for r in bench_tables.read([out / "mxfp4-uniform.csv"])}
+    assert rows == {("s", "a16w4", "atom_moe"): 10.0, ("s", "a16w4", "triton_kernels"): 12.0,
+                    ("t", "a8w4", "atom_moe"): 10.0}
+
+
 def test_tk_baseline_errors_are_clear():
     script = str(ROOT / "scripts" / "tk_baseline.py")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
