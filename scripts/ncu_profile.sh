@@ -3,14 +3,19 @@
 # a one-row-per-launch summary (scripts/ncu_summary.py). Clocks left as found (--clock-control none).
 # Usage: bash scripts/ncu_profile.sh SHAPE "SCHEMES" "TOKENS" [uniform|skewed]   (outputs in $OUT)
 #        bash scripts/ncu_profile.sh --tk SHAPE "TOKENS" [uniform|skewed]
+#        bash scripts/ncu_profile.sh --source SHAPE "SCHEMES" "TOKENS" [uniform|skewed]
 # --tk profiles triton_kernels' a16w4 layer and ours on the same inputs (scripts/tk_baseline.py --profile;
 # needs .cache/vllm-0.33.0 carried) and archives triton_kernels' compiled matmul kernels (cubin, ptx, ttgir)
 # in $OUT/tk-kernels.tgz for SASS reading on a CPU.
+# --source profiles the GEMM launches alone with ncu's per-instruction counters (SourceCounters: executed
+# instructions, L1 wavefronts and sectors, warp stalls per SASS line) and exports them as CSV
+# ($OUT/ncu-<tag>-source.csv): which loads fill the LSU pipe (docs/perf/mxfp4-h200.md, 2026-12-06). Not run yet.
 set -uo pipefail
 out=${OUT:-/tmp/atom_moe_out}
 mkdir -p "$out"
-tk=0
+tk=0 source=0
 [ "${1:-}" = "--tk" ] && { tk=1; shift; }
+[ "${1:-}" = "--source" ] && { source=1; shift; }
 shape=${1:-deepseek-v3}
 if [ $tk = 1 ]; then
   tokens=${2:-"8 128"}; routing=${3:-uniform}; tag="$shape-tk"
@@ -23,6 +28,15 @@ else
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 || { tail -5 "$out/install.log"; exit 1; }
 ncu --version | tail -1
+if [ $source = 1 ]; then
+  timeout "${NCU_TIMEOUT_S:-420}" ncu --profile-from-start off --clock-control none --nvtx --kernel-name regex:gemm \
+      --section SourceCounters --section LaunchStats -f -o "$out/ncu-$tag-source" "${cmd[@]}" 2>&1 |
+    grep -v "^==PROF==" | tail -15
+  ncu --import "$out/ncu-$tag-source.ncu-rep" --page source --csv --print-source sass > "$out/ncu-$tag-source.csv"
+  rm -f "$out/ncu-$tag-source.ncu-rep"  # the CSV is what comes back (a device call returns at most 16 MiB a file)
+  wc -l "$out/ncu-$tag-source.csv"
+  exit 0
+fi
 # the sections behind the summary's columns (a full set replays each kernel ~40 times: minutes)
 timeout "${NCU_TIMEOUT_S:-420}" ncu --profile-from-start off --clock-control none --nvtx \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
