@@ -72,9 +72,9 @@ TMA_FLAG = "ATOM_MOE_TMA"
 
 
 def tma(device: torch.device) -> bool:
-    """Whether the bf16 and fp8 GEMMs load their weight tiles (and GEMM2 its activation rows) through TMA tensor
-    descriptors: ATOM_MOE_TMA=1 on an NVIDIA GPU of compute capability 9.0 or later, or under the interpreter (which
-    runs descriptor loads, for the tests); off on HIP and by default: not yet timed."""
+    """Whether the bf16 and fp8 GEMMs load their weight tiles, and GEMM2 of every scheme its activation rows, through
+    TMA tensor descriptors: ATOM_MOE_TMA=1 on an NVIDIA GPU of compute capability 9.0 or later, or under the
+    interpreter (which runs descriptor loads, for the tests); off on HIP and by default."""
     flag = os.environ.get(TMA_FLAG, "")
     if flag not in ("", "0", "1"):
         raise ValueError(f"{TMA_FLAG}={flag!r}: allowed are 1 (bf16 / fp8 GEMM tiles through TMA descriptors; NVIDIA "

@@ -264,8 +264,8 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
     pdl: launched with programmatic dependent launch after a GEMM1 that releases it early
     (kernels/common.py `pdl`): each program reads its expert and asks L2 for its weight tile
     before it waits for GEMM1. Local output only.
-    tma: bf16 / fp8 tiles through TMA descriptors (kernels/common.py `tma`) where TMA can address them: w2's
-    always, the activation rows' unless pairs (a pair block's one row is not a run of consecutive rows).
+    tma: tiles through TMA descriptors (kernels/common.py `tma`) where TMA can address them: bf16 / fp8 w2's, and
+    every scheme's activation rows unless pairs (a pair block's one row is not a run of consecutive rows).
     row_scale (a8w4, Scheme.inter_per_token): each row of `a` has one scale, a_scale's first column (the only one
     read; kernels/inter_quant.py writes it), so the K loop keeps one accumulator.
     """
@@ -316,9 +316,9 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
                          f"local output only")
     # BIG is each MX layout's one compile-time switch: a16w4's scales above 128, a8w4's flushed blocks
     grid = (n_blocks * triton.cdiv(hidden, block_n), split)
-    use_tma = tma and not w4
-    w_desc = tile_desc(w2, w2.shape[0] * hidden, (block_n, block_k)) if use_tma else None
-    a_desc = tile_desc(a, a.shape[0], (block_m, block_k)) if use_tma and not pairs else None
+    # MX weights are decoded from each thread's own words: only their activation rows go through TMA
+    w_desc = tile_desc(w2, w2.shape[0] * hidden, (block_n, block_k)) if tma and not w4 else None
+    a_desc = tile_desc(a, a.shape[0], (block_m, block_k)) if tma and not pairs else None
     _gemm2_kernel[grid](
         a, a_scale if fp8 else a, *scale_strides("GEMM2", "a_scale", a_scale), w2,
         w2_scale if w2_scale is not None else w2, rowexp if w4 else w2,

@@ -106,7 +106,7 @@ def k_loop(a_ptrs, as_ptrs, stride_as_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, w
     (kernels/mxfp4.py); PAIRED: a8w4's residuals paired (w13, atom_moe/layouts/mx_quads.py); ROW_SCALE (a8w4's
     GEMM1): each row's activation scales are all one (atom_moe.spec.Scheme.x_per_token), so the K loop keeps one
     accumulator and the first is applied after it, the only one read (docs/perf/a8w4-one-accumulator-h100.md).
-    TMA_A / TMA_W
+    TMA_A (any scheme) / TMA_W
     (bf16, fp8): the activation tile comes from a_desc at rows
     [a_row, a_row + BLOCK_M) (they must be consecutive; rows that hold no pair load what is there, and
     their results are never stored), the weight tile from w_desc at rows [w_row, w_row + BLOCK_N) of
@@ -143,7 +143,9 @@ def k_loop(a_ptrs, as_ptrs, stride_as_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, w
         k_end = tl.maximum(k_hi, k_lo + BLOCK_K)
     for k0 in range(k_lo, k_end, BLOCK_K):
         k_ok = (k0 + kk) < K
-        if W4:
+        if W4 and TMA_A:  # GEMM2's rows through TMA: off the LSU pipe, the fullest unit of a8w4's GEMMs
+            a = tl.trans(a_desc.load([a_row, k0]))
+        elif W4:
             a = tl.load(a_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
         elif TMA_A:
             a = a_desc.load([a_row, k0])

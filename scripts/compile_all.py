@@ -7,8 +7,8 @@ machine does not have (sm_90a: H100/H200; gfx942, gfx950: MI300X, MI355X). No GP
 The real launchers run on small CPU tensors with Triton's launch replaced by a recorder: the
 experts step (routing, GEMM1, GEMM2, the separate combine) for every scheme and every tile
 variant the tables or the heuristic can pick (bf16 and fp8 row-block-16 tiles also with GEMM1 split
-over K, both of its launches; bf16 and fp8 also with TMA descriptors; a8w4 with its quant launch
-and also with ATOM_MOE_A8W4_INTER=group), and MegaMoE's
+over K, both of its launches; bf16 and fp8 also with TMA descriptors, a16w4 and a8w4 with GEMM2's rows
+through one; a8w4 with its quant launch and also with ATOM_MOE_A8W4_INTER=group), and MegaMoE's
 symm transport (dispatch, barrier, combine) with two simulated ranks; then the same for the served
 presets' routing geometry (E 257 with a fused shared slot and top-k 9, E 384 with top-k 6) with the
 heuristic's picks for their real shapes, the two-launch routing sort included. Each distinct (kernel, argument types, compile-time values, warps, stages) is then
@@ -155,8 +155,8 @@ def _exercise() -> None:
             fused_experts(x, w, ids, weights, spec, config=dataclasses.replace(small, split_k1=2, split_k2=2))
         finally:
             kcommon.pdl = pdl
-        # TMA tile descriptors (ATOM_MOE_TMA=1 on sm_90+; bf16 and fp8): every table row and heuristic pick,
-        # split-K and pair blocks included
+        # TMA tile descriptors (ATOM_MOE_TMA=1 on sm_90+; bf16 and fp8 weights and GEMM2 rows): every table row and
+        # heuristic pick, split-K and pair blocks included
         if scheme in ("bf16", "fp8"):
             tma, kcommon.tma = kcommon.tma, lambda device: True
             try:
@@ -168,6 +168,17 @@ def _exercise() -> None:
                 fused_experts(x, w, ids, weights, spec, config=dataclasses.replace(small, split_k1=2, split_k2=2))
                 fused_experts(x[:1], w[:1], ids[:1], weights, spec, config=small, pair_blocks=True)
                 _exercise_symm(spec, raw, scheme, T, g)  # GEMM2 pushing rows to their source ranks
+            finally:
+                kcommon.tma = tma
+        else:  # MXFP4: GEMM2's activation rows alone through TMA (sorted rows and the symm transport's push)
+            tma, kcommon.tma = kcommon.tma, lambda device: True
+            try:
+                for config in configs.get(scheme, ()):
+                    if config.split_k1 == config.split_k2 == 1:
+                        fused_experts(x, w, ids, weights, spec, config=config)
+                small = tuning.heuristic(scheme, H, I, E, K, 1)
+                fused_experts(x, w, ids, weights, spec, config=dataclasses.replace(small, split_k1=2, split_k2=2))
+                _exercise_symm(spec, raw, "fp8" if spec.scheme.fp8_activations else "bf16", T, g)
             finally:
                 kcommon.tma = tma
         if scheme == "a8w4":  # ATOM_MOE_A8W4_INTER=group: GEMM1 quantizes per 64-group, GEMM2's two accumulators

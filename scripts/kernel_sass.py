@@ -58,9 +58,9 @@ def signature(kernel: str, scheme: str, tma: tuple[int, int, int, int] | None = 
     """(kernel, argument types, arguments specialized as divisible by 16); tma: (BLOCK_M, BLOCK_N, BLOCK_K, H): the
     bf16 / fp8 TMA descriptor arguments (GEMM2's activation rows too unless H > 0, a pair-block call)."""
     act, weight, scale = _types(scheme)
-    dtype = weight[1:]
-    w_desc = f"tensordesc<{dtype}[{tma[1]}, {tma[2]}]>" if tma else weight
-    a_desc = f"tensordesc<{dtype}[{tma[0]}, {tma[2]}]>" if tma and not tma[3] else act
+    w4 = scheme in ("a16w4", "a8w4")  # MX weights: only GEMM2's activation rows have a descriptor
+    w_desc = f"tensordesc<{weight[1:]}[{tma[1]}, {tma[2]}]>" if tma and not w4 else weight
+    a_desc = f"tensordesc<{act[1:]}[{tma[0]}, {tma[2]}]>" if tma and not tma[3] else act
     if kernel == "gemm1":
         sig = {"x_ptr": act, "stride_x": "i32", "xs_ptr": "*fp32", "stride_xs": "i32", "stride_xs_k": "constexpr",
                "w_ptr": weight, "ws_ptr": scale,
@@ -96,7 +96,8 @@ def constexprs(kernel: str, scheme: str, block_m: int, block_n: int, block_k: in
     """The launchers' compile-time switches for a local-output call (GEMM2: the separate combine's, or with
     separate=False the counter combine's of a three-launch call); scaled: a8w4 through tl.dot_scaled;
     pairs_hidden > 0: a pair-block call (T = 1, no routing launch, kernels/routing.py) of that H; pdl:
-    with programmatic dependent launch (kernels/common.py); tma: bf16 / fp8 tiles through TMA descriptors;
+    with programmatic dependent launch (kernels/common.py); tma: tiles through TMA descriptors (bf16 / fp8 weights,
+    GEMM2's activation rows);
     split > 1: a split-K launch (GEMM1's phase 1 computes the slices, phase 2 adds them; GEMM2 in one launch);
     row_scale: a8w4 with one scale per token on GEMM2's input (the default; off: ATOM_MOE_A8W4_INTER=group): GEMM1
     stores bf16, GEMM2 keeps one accumulator."""
@@ -113,7 +114,7 @@ def constexprs(kernel: str, scheme: str, block_m: int, block_n: int, block_k: in
     return {**common, "stride_as": 1, "TOPK": top_k, "KP2": triton.next_power_of_2(top_k), "REMOTE": False,
             "SEPARATE": separate, "SPLIT": split, "PAIRS": pairs_hidden > 0, "PDL": pdl,
             "TMA_A": tma and not pairs_hidden,
-            "TMA_W": tma, "ROW_SCALE": row_scale}
+            "TMA_W": tma and scheme in ("bf16", "fp8"), "ROW_SCALE": row_scale}
 
 
 def loop_body(sass: str) -> list[str]:
@@ -134,8 +135,9 @@ def loop_body(sass: str) -> list[str]:
 
 def compile_sass(args: argparse.Namespace) -> tuple[dict, str]:
     """Compile for sm_90a; return (report, SASS text)."""
-    if args.tma and args.scheme not in ("bf16", "fp8"):
-        raise SystemExit("--tma: bf16 and fp8 only (MXFP4 tiles are decoded from per-thread loads)")
+    if args.tma and args.scheme not in ("bf16", "fp8") and args.kernel == "gemm1":
+        raise SystemExit("--tma: MXFP4 GEMM1 has no descriptor (its weights are decoded from per-thread loads, its "
+                         "rows gathered); GEMM2 takes its activation rows through one")
     fn, sig, div = signature(args.kernel, args.scheme,
                              (args.block_m, args.block_n, args.block_k, args.pairs_hidden) if args.tma else None)
     if args.kernel == "gemm2" and args.pairs_hidden:  # the counter combine's partials are the fp32 workspace
@@ -208,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--maxnreg", type=int, default=0, help="register cap per thread, as a tile config's maxnreg1/2 (0: none)")
     p.add_argument("--pdl", action="store_true", help="with programmatic dependent launch (ATOM_MOE_PDL=1: GEMM2 "
                    "prefetches its weight tile into L2 and waits for GEMM1)")
-    p.add_argument("--tma", action="store_true", help="bf16 / fp8 tiles through TMA descriptors (ATOM_MOE_TMA=1)")
+    p.add_argument("--tma", action="store_true",
+                   help="tiles through TMA descriptors (ATOM_MOE_TMA=1): bf16 / fp8 weights, GEMM2's rows")
     p.add_argument("--row-scale", action="store_true", help="a8w4 with one scale per token on GEMM2's input (what "
                    "runs by default; without it a8w4 compiles ATOM_MOE_A8W4_INTER=group's path): GEMM1 stores bf16, "
                    "GEMM2 keeps one accumulator")

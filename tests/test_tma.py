@@ -1,8 +1,8 @@
 """TMA tile descriptors (ATOM_MOE_TMA, kernels/common.py `tma`): the switch, which tensors TMA can address,
 and the same bits as per-thread loads.
 
-With the flag on, bf16 and fp8 weight tiles (and GEMM2's activation rows, except for pair blocks) come from
-TMA descriptors. A descriptor's tile is not masked: weight rows past an expert's last belong to the next
+With the flag on, bf16 and fp8 weight tiles, and every scheme's GEMM2 activation rows except for pair blocks,
+come from TMA descriptors. A descriptor's tile is not masked: weight rows past an expert's last belong to the next
 expert, and GEMM2's padding rows hold whatever the workspace held. Neither may reach a stored element, so
 every case runs on a poisoned workspace (NaN floats) and must equal the per-thread path bit for bit. The
 interpreter runs descriptor loads, so the CPU tests run the real kernel code; the GPU test runs TMA itself.
@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_cases import make_layer, make_routing, poison, rel_err  # noqa: E402
+from kernel_cases import assert_near_twin, make_layer, make_routing, poison  # noqa: E402
 
 from atom_moe.experts import allocate_workspace, fused_experts  # noqa: E402
 from atom_moe.experts_torch import experts_torch  # noqa: E402
@@ -98,6 +98,12 @@ CASES = [
      {}),
     ("bf16", 256, 96, 6, 3, 1, "random", None, None, {"pair_blocks": True}),
     ("fp8", 256, 288, 6, 3, 1, "random", None, None, {"pair_blocks": True}),
+    # MXFP4: GEMM2's activation rows only (the weights are decoded from each thread's own words)
+    ("a16w4", 256, 192, 6, 3, 29, "random", None, TileConfig(32, 128, 64, 4, 2, 128, 64, 4, 2), {}),
+    ("a8w4", 256, 192, 6, 3, 29, "sentinels", (0, 2, 3, 5), None, {}),
+    ("a8w4", 128, 256, 4, 2, 37, "one_expert", None, TileConfig(128, 128, 128, 8, 2, 128, 64, 4, 2), {}),
+    ("a8w4", 256, 128, 4, 2, 5, "random", None, TileConfig(16, 128, 128, 4, 2, 64, 64, 4, 2, split_k1=2, split_k2=2),
+     {}),
 ]
 
 
@@ -110,24 +116,28 @@ def test_tma_gives_the_same_bits(seed, monkeypatch, case):
     seen = _spy(monkeypatch)
     plain, tma = _both(monkeypatch, spec, p, x, w, ids, config=config, **extra)
     assert torch.equal(tma, plain)
-    assert rel_err(tma, experts_torch(x, w, ids, p, spec)) <= 1e-2
-    # every descriptor the flag asks for was made (none without it): w13, w2 and, except with pair blocks, GEMM2's rows
-    want = [("gemm1", True), ("gemm2", True)] + ([] if extra.get("pair_blocks") else [("gemm2", True)])
+    assert_near_twin(tma, experts_torch(x, w, ids, p, spec), x, w, ids, spec, p)
+    # every descriptor the flag asks for was made (none without it): w13 and w2 (not MXFP4) and, except with pair
+    # blocks, GEMM2's rows
+    want = ([] if scheme in ("a16w4", "a8w4") else [("gemm1", True), ("gemm2", True)]) \
+        + ([] if extra.get("pair_blocks") else [("gemm2", True)])
     assert sorted(seen) == sorted(want), seen
 
 
 @pytest.mark.parametrize("scheme,H,want", [
     # fp8 with H = I = 200: 200-byte rows, not a multiple of 16: per-thread loads for every tile
     ("fp8", 200, [("gemm1", False), ("gemm2", False), ("gemm2", False)]),
-    # MX tiles are decoded from each thread's own words: no descriptor is even asked for
+    # MXFP4 with pair blocks (T = 1): its weights never take a descriptor, and a pair block's row is no run of rows
     ("a16w4", 128, []),
+    ("a8w4", 128, []),
 ])
 def test_where_tma_is_not_used_nothing_changes(seed, monkeypatch, scheme, H, want):
+    T = 1 if scheme in ("a16w4", "a8w4") else 13
     spec, p = make_layer(H, H, 4, 2, scheme, device=DEVICE)
-    w, ids = make_routing(13, 4, 2, device=DEVICE)
-    x = torch.randn(13, H, device=DEVICE).to(torch.bfloat16)
+    w, ids = make_routing(T, 4, 2, device=DEVICE)
+    x = torch.randn(T, H, device=DEVICE).to(torch.bfloat16)
     seen = _spy(monkeypatch)
-    plain, tma = _both(monkeypatch, spec, p, x, w, ids)
+    plain, tma = _both(monkeypatch, spec, p, x, w, ids, pair_blocks=T == 1)
     assert torch.equal(tma, plain) and torch.isfinite(tma).all()
     assert sorted(seen) == want, seen
 
@@ -164,7 +174,7 @@ def test_tma_in_the_symm_transport(seed, monkeypatch, scheme, wire):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheme", ["bf16", "fp8"])
+@pytest.mark.parametrize("scheme", ["bf16", "fp8", "a16w4", "a8w4"])
 @pytest.mark.parametrize("T", [8, 512, 2048])
 def test_tma_on_the_gpu_at_deepseek_v3_dims(seed, monkeypatch, scheme, T):
     # DeepSeek-V3's H and I (32 of its experts, top-8), the shipped table's or heuristic's tiles: TMA loads give the
@@ -191,4 +201,4 @@ def test_tma_on_the_gpu_at_deepseek_v3_dims(seed, monkeypatch, scheme, T):
         monkeypatch.setenv("ATOM_MOE_TMA", "0")
         assert torch.equal(out, fused_experts(x, w, ids, p, spec))
         monkeypatch.setenv("ATOM_MOE_TMA", "1")
-    assert rel_err(out, experts_torch(x, w, ids, p, spec)) <= 1e-2
+    assert_near_twin(out, experts_torch(x, w, ids, p, spec), x, w, ids, spec, p)
