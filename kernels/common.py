@@ -77,8 +77,8 @@ def tma(device: torch.device) -> bool:
     interpreter (which runs descriptor loads, for the tests); off on HIP and by default."""
     flag = os.environ.get(TMA_FLAG, "")
     if flag not in ("", "0", "1"):
-        raise ValueError(f"{TMA_FLAG}={flag!r}: allowed are 1 (bf16 / fp8 GEMM tiles through TMA descriptors; NVIDIA "
-                         "sm_90+) or 0 / unset (per-thread loads)")
+        raise ValueError(f"{TMA_FLAG}={flag!r}: allowed are 1 (GEMM tiles through TMA descriptors where TMA can "
+                         "address them; NVIDIA sm_90+) or 0 / unset (per-thread loads)")
     if flag != "1" or torch.version.hip is not None:
         return False
     if interpreting():
