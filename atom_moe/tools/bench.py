@@ -16,7 +16,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -205,8 +205,10 @@ def run(args: argparse.Namespace) -> list[dict]:
                         best = (us, cfg)
                 if best is None:
                     raise RuntimeError(f"no config ran for {name} {scheme} T={T}")
-                from ..kernels.tuning import lookup
+                from ..kernels.tuning import SPLIT_MAX_PAIRS, lookup
                 used = best[1] or lookup(dev, scheme, H, I, E, k, T)
+                if T * k > SPLIT_MAX_PAIRS:  # fused_experts splits K at decode sizes only: print the tiles that ran
+                    used = replace(used, split_k1=1, split_k2=1)
                 row("atom_moe", best[0], config=cfg_str(used), note=launch_flags())
                 tuned.append(dict(device=dev, scheme=scheme, H=H, I=I, E=E, top_k=k, tokens=T, **asdict(used),
                                   us=round(best[0], 2)))
