@@ -155,32 +155,21 @@ def _exercise() -> None:
             fused_experts(x, w, ids, weights, spec, config=dataclasses.replace(small, split_k1=2, split_k2=2))
         finally:
             kcommon.pdl = pdl
-        # TMA tile descriptors (ATOM_MOE_TMA=1 on sm_90+; bf16 and fp8 weights and GEMM2 rows): every table row and
-        # heuristic pick, split-K and pair blocks included
-        if scheme in ("bf16", "fp8"):
-            tma, kcommon.tma = kcommon.tma, lambda device: True
-            try:
-                for config in configs.get(scheme, ()):
-                    if config.split_k1 == config.split_k2 == 1:
-                        fused_experts(x, w, ids, weights, spec, config=config)
-                        fused_experts(x, w, ids, weights, spec, config=config, combine="separate")
-                small = tuning.heuristic(scheme, H, I, E, K, 1)
-                fused_experts(x, w, ids, weights, spec, config=dataclasses.replace(small, split_k1=2, split_k2=2))
-                fused_experts(x[:1], w[:1], ids[:1], weights, spec, config=small, pair_blocks=True)
-                _exercise_symm(spec, raw, scheme, T, g)  # GEMM2 pushing rows to their source ranks
-            finally:
-                kcommon.tma = tma
-        else:  # MXFP4: GEMM2's activation rows alone through TMA (sorted rows and the symm transport's push)
-            tma, kcommon.tma = kcommon.tma, lambda device: True
-            try:
-                for config in configs.get(scheme, ()):
-                    if config.split_k1 == config.split_k2 == 1:
-                        fused_experts(x, w, ids, weights, spec, config=config)
-                small = tuning.heuristic(scheme, H, I, E, K, 1)
-                fused_experts(x, w, ids, weights, spec, config=dataclasses.replace(small, split_k1=2, split_k2=2))
-                _exercise_symm(spec, raw, "fp8" if spec.scheme.fp8_activations else "bf16", T, g)
-            finally:
-                kcommon.tma = tma
+        # TMA tile descriptors (ATOM_MOE_TMA=1 on sm_90+): bf16 / fp8 weights and every scheme's GEMM2 rows, for
+        # every table row and heuristic pick, split-K and pair blocks included (MXFP4's pair blocks take none)
+        tma, kcommon.tma = kcommon.tma, lambda device: True
+        try:
+            for config in configs.get(scheme, ()):
+                if config.split_k1 == config.split_k2 == 1:
+                    fused_experts(x, w, ids, weights, spec, config=config)
+                    fused_experts(x, w, ids, weights, spec, config=config, combine="separate")
+            small = tuning.heuristic(scheme, H, I, E, K, 1)
+            fused_experts(x, w, ids, weights, spec, config=dataclasses.replace(small, split_k1=2, split_k2=2))
+            fused_experts(x[:1], w[:1], ids[:1], weights, spec, config=small, pair_blocks=True)
+            # GEMM2 pushing rows to their source ranks, on the scheme's own activation wire
+            _exercise_symm(spec, raw, "fp8" if spec.scheme.fp8_activations else "bf16", T, g)
+        finally:
+            kcommon.tma = tma
         if scheme == "a8w4":  # ATOM_MOE_A8W4_INTER=group: GEMM1 quantizes per 64-group, GEMM2's two accumulators
             _exercise_inter_per_group(x, w, ids, weights, spec, configs.get(scheme, ()))
         for wire in ("bf16", "fp8") if spec.scheme.fp8_activations else ("bf16",):

@@ -56,7 +56,8 @@ def _types(scheme: str) -> tuple[str, str, str]:
 
 def signature(kernel: str, scheme: str, tma: tuple[int, int, int, int] | None = None) -> tuple[object, dict, list[str]]:
     """(kernel, argument types, arguments specialized as divisible by 16); tma: (BLOCK_M, BLOCK_N, BLOCK_K, H): the
-    bf16 / fp8 TMA descriptor arguments (GEMM2's activation rows too unless H > 0, a pair-block call)."""
+    TMA descriptor arguments: bf16 / fp8 weights, and GEMM2's activation rows of any scheme unless H > 0 (a
+    pair-block call)."""
     act, weight, scale = _types(scheme)
     w4 = scheme in ("a16w4", "a8w4")  # MX weights: only GEMM2's activation rows have a descriptor
     w_desc = f"tensordesc<{weight[1:]}[{tma[1]}, {tma[2]}]>" if tma and not w4 else weight
