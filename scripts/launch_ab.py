@@ -4,7 +4,8 @@ blocks at T = 1 (kernels/routing.py `PairBlocks`), with and without programmatic
 and routing.
 
 Arms: `sorted` (routing + GEMM1 + GEMM2), `pairs` (T = 1 only: GEMM1 + GEMM2), `sorted+pdl`, `pairs+pdl`,
-`sorted+tma` and `sorted+pdl+tma` (bf16 and fp8 only: MXFP4 tiles never use TMA), `sorted+rowscales` (fp8 and
+`sorted+tma` and `sorted+pdl+tma` (bf16 / fp8: weight tiles and GEMM2's rows; a16w4 / a8w4: GEMM2's rows only,
+the packed MX weights stay per-thread), `sorted+rowscales` (fp8 and
 a8w4 only: GEMM2's input scales row-major [rows, groups], as before 2026-12-05, instead of the workspace's
 group-major layout; the kernels read either through the strides).
 `--tiles BM,N1,K1,W1,S1,N2,K2,W2,S2` adds an arm `tiles=...` per value: the sorted path with that tile config
@@ -43,10 +44,9 @@ COLUMNS = ("shape", "scheme", "T", "routing", "config", "arm", "us", "vs_first",
 
 
 def arms_at(arms: list[str], T: int, scheme: str) -> list[str]:
-    """The arms that run at T for `scheme`: pair blocks only for one token, TMA only for bf16 and fp8, row-major
-    scales only for the e4m3 activations (fp8, a8w4)."""
-    return [a for a in arms if (T == 1 or not a.startswith("pairs")) and (scheme in ("bf16", "fp8")
-                                                                         or not a.endswith("+tma"))
+    """The arms that run at T for `scheme`: pair blocks only for one token, row-major scales only for the e4m3
+    activations (fp8, a8w4); TMA for every scheme."""
+    return [a for a in arms if (T == 1 or not a.startswith("pairs"))
             and (scheme in ("fp8", "a8w4") or not a.endswith("+rowscales"))]
 
 

@@ -534,7 +534,8 @@ def test_launch_ab_needs_a_gpu():
     import launch_ab
     assert launch_ab.arms_at(list(launch_ab.ARMS), 1, "fp8") == list(launch_ab.ARMS)
     assert launch_ab.arms_at(list(launch_ab.ARMS), 8, "bf16") == ["sorted", "sorted+pdl", "sorted+tma", "sorted+pdl+tma"]
-    assert launch_ab.arms_at(list(launch_ab.ARMS), 8, "a8w4") == ["sorted", "sorted+pdl", "sorted+rowscales"]
+    assert launch_ab.arms_at(list(launch_ab.ARMS), 8, "a8w4") == ["sorted", "sorted+pdl", "sorted+tma",
+                                                                  "sorted+pdl+tma", "sorted+rowscales"]
     assert "sorted+rowscales" not in launch_ab.arms_at(list(launch_ab.ARMS), 512, "a16w4")
     # a --tiles arm: the config it names (and no flag), a malformed one refused before any GPU work
     assert launch_ab.tile_config("tiles=128,128,64,8,3,128,64,8,3") == \
