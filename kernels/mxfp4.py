@@ -70,23 +70,29 @@ assert mx_tiles.PIECES == (((0, mx_tiles.MASK),), ((6, mx_tiles.MASK),), ((12, m
 @triton.jit
 def tile_offsets(expert64, pid_n, row_blocks, k_blocks, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  QUADS: tl.constexpr = False, SCALED: tl.constexpr = False, PAIRED: tl.constexpr = False):
-    """(word offsets [NB, KB, 32, 4], scale offsets, row-block ok [NB], kb [KB]) of the tile at column
+    """(word offsets [NB, KB * 128], scale offsets, row-block ok [NB], kb [KB]) of the tile at column
     tile pid_n, K step 0; advance the words by KB * 128 and the scales by `scale_step(BLOCK_K, QUADS, PAIRED)`
     per K step.
 
-    Scale offsets: MX tiles, int32 words [NB, KB, 8] (one per row pair); MX quads (QUADS), the
-    residual bytes [NB, KB, 32, 4] each lane needs for its 4 words (a per-lane load keeps the
-    table math in the words' own layout, so the decoded tile needs no shared-memory restage);
+    The words of a row block's K step are KB * 128 consecutive int32s, so their offsets are laid out flat: the
+    loads then vectorize and coalesce along that run with consecutive lanes on consecutive 16 bytes, and
+    `load_tile` reshapes them to [NB, KB, 32, 4]. Offsets shaped [NB, KB, 32, 4] made Triton put consecutive
+    lanes on different row blocks, 512 bytes apart: their cp.async writes to shared memory hit the same banks,
+    4-8 shared wavefronts per ideal one (Nsight Compute source counters, H100, 2026-12-07).
+
+    Scale offsets: MX tiles, int32 words [NB, KB * 8] (one per row pair); MX quads (QUADS), the
+    residual bytes each lane needs for its 4 words, flat [NB, KB * 128] (a per-lane load keeps the table math in
+    the words' own layout, so the decoded tile needs no shared-memory restage);
     with SCALED, the residual bytes in plain order [BLOCK_N, BLOCK_K / 32] (row, 32-k block).
     PAIRED (MX quads with paired residuals, atom_moe/layouts/mx_quads.py): at k = 0, `load_tile`
-    adds `pair_offset`; a 128-k step's are [NB, 32, 8], one 8-byte load per lane and row block."""
+    adds `pair_offset`; a 128-k step's are 8 bytes per lane, flat [NB, 256], a 64-k step's [NB, KB, 32, 4]."""
     NB: tl.constexpr = BLOCK_N // 16
     KB: tl.constexpr = BLOCK_K // 64
     nb = pid_n * NB + tl.arange(0, NB)
     kb = tl.arange(0, KB)
     blk = (expert64 * row_blocks + nb)[:, None] * k_blocks + kb[None, :]
     lane_j = tl.arange(0, 32)[:, None] * 4 + tl.arange(0, 4)[None, :]
-    w_off = blk[:, :, None, None] * 128 + lane_j[None, None, :, :]
+    w_off = ((expert64 * row_blocks + nb) * k_blocks * 128)[:, None] + tl.arange(0, KB * 128)[None, :]
     if PAIRED:  # 64 bytes per row block and pair of K blocks: byte g * 8 + t * 4 + j
         first = (expert64 * row_blocks + nb) * ((k_blocks + 1) // 2) * 64  # [NB] each row block's first pair
     if QUADS and SCALED and PAIRED:  # row 16 nb + 8 h + g, block c = 2 kb + s: byte g*8 + t*4 + 2s + h of pair kb//2
@@ -99,15 +105,17 @@ def tile_offsets(expert64, pid_n, row_blocks, k_blocks, BLOCK_N: tl.constexpr, B
         c = tl.arange(0, BLOCK_K // 32)[None, :]
         s_off = ((expert64 * row_blocks + pid_n * NB + r // 16) * k_blocks + c // 2) * 32 \
             + (r % 8) * 4 + (c % 2) * 2 + (r // 8) % 2
-    elif QUADS and PAIRED and KB == 2:
-        s_off = first[:, None, None] + (tl.arange(0, 32) // 4 * 8)[None, :, None] + tl.arange(0, 8)[None, None, :]
+    elif QUADS and PAIRED and KB == 2:  # lane l's 8 bytes 8 (l // 4) .. + 7 of the pair, flat ([NB, 256])
+        f = tl.arange(0, 256)
+        s_off = first[:, None] + (f // 32 * 8 + f % 8)[None, :]
     elif QUADS and PAIRED:
         s_off = first[:, None, None, None] + (kb // 2 * 64 + kb % 2 * 4)[None, :, None, None] \
             + (lane_j // 16 * 8 + lane_j % 4)[None, None, :, :]
-    elif QUADS:
-        s_off = blk[:, :, None, None] * 32 + lane_j[None, None, :, :] // 16 * 4 + tl.arange(0, 4)[None, None, None, :]
-    else:
-        s_off = blk[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    elif QUADS:  # lane l's 4 bytes 4 (l // 4) .. + 3 of each block, flat ([NB, KB * 128])
+        f = tl.arange(0, KB * 128)
+        s_off = ((expert64 * row_blocks + nb) * k_blocks * 32)[:, None] + (f // 128 * 32 + f % 128 // 16 * 4 + f % 4)[None, :]
+    else:  # the row block's KB * 8 scale words, flat ([NB, KB * 8])
+        s_off = ((expert64 * row_blocks + nb) * k_blocks * 8)[:, None] + tl.arange(0, KB * 8)[None, :]
     return w_off, s_off, nb < row_blocks, kb
 
 
@@ -135,30 +143,39 @@ def pair_offset(k0, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def load_tile(w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks, PAIRED: tl.constexpr = False):
-    """One K step's int32 value words and its scale words (MX tiles) or residual bytes (MX quads, per
-    lane as [NB, KB, 32, 4] or, for SCALED, in plain order); zeros past N or K."""
+def load_tile(w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks, PAIRED: tl.constexpr = False,
+              QUADS: tl.constexpr = False, SCALED: tl.constexpr = False):
+    """One K step's int32 value words [NB, KB, 32, 4] and its scale words [NB, KB, 8] (MX tiles) or residual bytes
+    (MX quads: per lane [NB, KB, 32, 4], or in plain order for SCALED); zeros past N or K.
+
+    What a row block's step needs is one run of consecutive bytes (words, scale words, residuals): each is loaded
+    flat, so consecutive lanes read and write consecutive bytes, and reshaped here. Residual bytes are loaded
+    per lane (four lanes read each): handed over by a broadcast instead, they took a shared-memory restage."""
     if PAIRED:
         s_off += pair_offset(k0, 64 * kb.shape[0])
     kb_ok = (k0 // 64 + kb) < k_blocks
     ok = nb_ok[:, None] & kb_ok[None, :]
-    words = tl.load(w_ptr + w_off, mask=ok[:, :, None, None], other=0)
-    if PAIRED and len(s_off.shape) == 3:  # [NB, 32, 8]: one 8-byte load per lane and row block, masked by row
-        # block and step only (a mask that varies along the 8 bytes would split the load): a pair's missing
-        # second block is zeros in memory, and its value words are masked
-        NB: tl.constexpr = ok.shape[0]
-        step_ok = (tl.zeros([NB], tl.int32) + k0 // 64) < k_blocks
-        sw = tl.load(s_ptr + s_off, mask=(nb_ok & step_ok)[:, None, None], other=0)
-        swords = tl.permute(tl.reshape(sw, (NB, 32, 2, 4)), (0, 2, 1, 3))
-    elif len(s_off.shape) == 4:  # MX quads: residual bytes per lane
-        swords = tl.load(s_ptr + s_off, mask=ok[:, :, None, None], other=0)
-    elif len(s_off.shape) == 2:  # MX quads for tl.dot_scaled: [BLOCK_N, BLOCK_K / 32]
-        NB: tl.constexpr = ok.shape[0]
-        KB: tl.constexpr = ok.shape[1]
+    NB: tl.constexpr = ok.shape[0]
+    KB: tl.constexpr = ok.shape[1]
+    flat_ok = nb_ok[:, None] & ((k0 // 64 + tl.arange(0, KB * 128) // 128) < k_blocks)[None, :]
+    words = tl.reshape(tl.load(w_ptr + w_off, mask=flat_ok, other=0), (NB, KB, 32, 4))
+    if QUADS and SCALED:  # [BLOCK_N, BLOCK_K / 32] in plain order
         ok = tl.reshape(tl.broadcast_to(ok[:, None, :, None], (NB, 16, KB, 2)), (NB * 16, KB * 2))
         swords = tl.load(s_ptr + s_off, mask=ok, other=0)
-    else:
-        swords = tl.load(s_ptr + s_off, mask=ok[:, :, None], other=0)
+    elif QUADS and PAIRED and KB == 2:  # one 8-byte load per lane and row block, masked by row block and step
+        # only (a mask that varies along the 8 bytes would split the load): a pair's missing second block is
+        # zeros in memory, and its value words are masked
+        step_ok = (tl.zeros([NB], tl.int32) + k0 // 64) < k_blocks
+        sw = tl.reshape(tl.load(s_ptr + s_off, mask=(nb_ok & step_ok)[:, None], other=0), (NB, 32, 8))
+        swords = tl.permute(tl.reshape(sw, (NB, 32, 2, 4)), (0, 2, 1, 3))
+    elif QUADS and PAIRED:  # a 64-k step's half of a pair: per lane, [NB, KB, 32, 4]
+        swords = tl.load(s_ptr + s_off, mask=ok[:, :, None, None], other=0)
+    elif QUADS:  # [NB, KB * 128]: 4 bytes per lane and block
+        s_ok = nb_ok[:, None] & ((k0 // 64 + tl.arange(0, KB * 128) // 128) < k_blocks)[None, :]
+        swords = tl.reshape(tl.load(s_ptr + s_off, mask=s_ok, other=0), (NB, KB, 32, 4))
+    else:  # MX tiles: [NB, KB * 8] scale words
+        s_ok = nb_ok[:, None] & ((k0 // 64 + tl.arange(0, KB * 8) // 8) < k_blocks)[None, :]
+        swords = tl.reshape(tl.load(s_ptr + s_off, mask=s_ok, other=0), (NB, KB, 8))
     return words, swords
 
 
@@ -352,7 +369,7 @@ def swap_step(acc, a, a_s, w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks, 
     product (ROW_SCALE: not applied, the caller scales the sum; a_s is unread) (BIG: MX tiles' scales above 128;
     for MX quads it is FLUSH); SCALED: MX quads through tl.dot_scaled; PAIRED: their residuals paired
     (tile_offsets)."""
-    words, swords = load_tile(w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks, PAIRED)
+    words, swords = load_tile(w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks, PAIRED, FP8, SCALED)
     if FP8 and SCALED:
         codes = tile_e2m1(words, swords, BLOCK_N, BLOCK_K, BIG)
         if INTERP:
@@ -470,7 +487,7 @@ def _dequant_quads_kernel(w_ptr, r_ptr, rowexp_ptr, out_ptr, n_rows, k, row_bloc
     e64 = tl.program_id(2).to(tl.int64)
     w_off, r_off, nb_ok, kb = tile_offsets(e64, pid_n, row_blocks, k_blocks, BLOCK_N, BLOCK_K, True, PAIRED=PAIRED)
     r_off += (k0 // BLOCK_K) * scale_step(BLOCK_K, True, PAIRED)
-    words, resid = load_tile(w_ptr, r_ptr, w_off + (k0 // 64) * 128, r_off, nb_ok, kb, k0, k_blocks, PAIRED)
+    words, resid = load_tile(w_ptr, r_ptr, w_off + (k0 // 64) * 128, r_off, nb_ok, kb, k0, k_blocks, PAIRED, True)
     w = tile_e4m3(words, resid, BLOCK_N, BLOCK_K, FLUSH, PRMT).to(tl.float32)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = k0 + tl.arange(0, BLOCK_K)
