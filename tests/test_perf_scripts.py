@@ -491,6 +491,35 @@ def test_ncu_summary_names_each_launch_by_its_nvtx_case():
     assert out[0]["inst_per_byte"] == round(1000 * 32 / 6e6, 2) and out[1]["read_TBps"] == 0
 
 
+# ---------------------------------------------------------------- ncu_source_summary
+def test_ncu_source_summary_charges_stalls_and_excess_wavefronts(tmp_path):
+    # two launches as ncu's source page writes them: stall samples and shared wavefronts per SASS line
+    import ncu_source_summary
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed", "stall_long_sb",
+              "stall_short_sb", "stall_long_sb (Not Issued)", "L1 Wavefronts Shared", "L1 Wavefronts Shared Ideal",
+              "L2 Theoretical Sectors Global", "L2 Theoretical Sectors Global Ideal"]
+    lines = ['"Kernel Name","_gemm2_kernel",', ",".join(f'"{h}"' for h in header),
+             '"0x10","  LDGSTS.E desc[UR4][R2.64], P0, [R9]","2","100","0","2","7","1,600","100","400","400"',
+             '"0x20","  UIADD3 UR8, UR8, 0x1, URZ","30","100","27","3","9","0","0","0","0"',
+             '"Kernel Name","_gemm1_kernel",', ",".join(f'"{h}"' for h in header),
+             '"0x10","  LDGSTS.E.BYPASS.128 desc[UR4][R2.64], P0, [R9]","4","50","4","0","0","200","200","800","400"']
+    src = tmp_path / "source.csv"
+    src.write_text("\n".join(lines) + "\n")
+    (name0, rows0), (name1, rows1) = ncu_source_summary.launches(src)
+    assert (name0, len(rows0), name1, len(rows1)) == ("_gemm2_kernel", 2, "_gemm1_kernel", 1)
+    printed, table = ncu_source_summary.summarize(name0, rows0, top=1)
+    assert printed[1] == "  stalls: long_sb 84.4%, short_sb 15.6%"  # 27 and 5 of 32 samples; not-issued ones apart
+    assert "UIADD3" in printed[2] and "x16.0" in printed[-1]
+    assert [(t["shared_excess"], t["l2_excess"]) for t in table] == [(16.0, 1.0)]
+    out = tmp_path / "loads.csv"
+    assert ncu_source_summary.main([str(src), "--csv", str(out)]) == 0
+    got = list(csv.DictReader(out.open()))
+    assert [(r["launch"], r["shared_excess"], r["l2_excess"]) for r in got] == [("0", "16.0", "1.0"), ("1", "1.0", "2.0")]
+    (tmp_path / "empty.csv").write_text("a,b\n")
+    with pytest.raises(SystemExit, match="no 'Kernel Name' block"):
+        ncu_source_summary.launches(tmp_path / "empty.csv")
+
+
 # ---------------------------------------------------------------- tk_baseline routing at any top-k
 @pytest.mark.parametrize("T,E,k", [(5, 384, 6), (7, 257, 9), (3, 16, 9)])
 def test_tk_routing_any_topk_matches_the_ids(vllm_src, monkeypatch, T, E, k):
@@ -519,9 +548,20 @@ def test_tk_routing_any_topk_matches_the_ids(vllm_src, monkeypatch, T, E, k):
         tk_baseline.tk_routing(logits, None, k, E)
 
 
+def test_a8w4_error_probe_needs_a_gpu():
+    # the probe runs the kernels: without a GPU it says so instead of timing or comparing anything
+    script = str(ROOT / "scripts" / "a8w4_error_probe.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert proc.returncode == 0 and "--splits" in proc.stdout
+    if not torch.cuda.is_available():
+        proc = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, cwd=ROOT)
+        assert proc.returncode == 1 and "needs a CUDA GPU" in proc.stderr
+
+
 def test_launch_ab_needs_a_gpu():
     # the launch-chaining A/B (routing launch or pair blocks, with or without PDL) is a GPU timing script:
-    # without one it says so; pair-block arms run at T = 1 only, TMA arms for bf16 and fp8 only; each arm sets both
+    # without one it says so; pair-block arms run at T = 1 only, TMA arms for every scheme; each arm sets both
     # flags for its call and restores them
     script = str(ROOT / "scripts" / "launch_ab.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
