@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_cases import make_layer, make_routing, reference, rel_err  # noqa: E402
+from kernel_cases import assert_near_twin, make_layer, make_routing, reference, rel_err  # noqa: E402
 
 from atom_moe.experts import allocate_workspace, fused_experts  # noqa: E402
 from atom_moe.experts_torch import experts_torch  # noqa: E402
@@ -159,7 +159,7 @@ def test_split_k_on_the_gpu_at_deepseek_v3_dims(seed, scheme):
             scale = float(whole.float().abs().max())
             what = f"T={T} split {split}, GEMM2 split {split2}"
             assert float((got.float() - whole.float()).abs().max()) <= 2e-2 * scale, what
-            assert rel_err(got, twin) <= 1e-2, what
+            assert_near_twin(got, twin, x, w, ids, spec, p, what)  # a8w4: the fp8 accumulator's bound
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = fused_experts(x, w, ids, p, spec, config=config(scheme, 4, 4), workspace=ws)
