@@ -70,17 +70,20 @@ assert mx_tiles.PIECES == (((0, mx_tiles.MASK),), ((6, mx_tiles.MASK),), ((12, m
 @triton.jit
 def tile_offsets(expert64, pid_n, row_blocks, k_blocks, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  QUADS: tl.constexpr = False, SCALED: tl.constexpr = False, PAIRED: tl.constexpr = False):
-    """(word offsets [NB, KB * 128], scale offsets, row-block ok [NB], kb [KB]) of the tile at column
-    tile pid_n, K step 0; advance the words by KB * 128 and the scales by `scale_step(BLOCK_K, QUADS, PAIRED)`
-    per K step.
+    """(word offsets [NB, KB, 32, 4], or [NB, KB * 128] for QUADS, scale offsets, row-block ok [NB], kb [KB]) of
+    the tile at column tile pid_n, K step 0; advance the words by KB * 128 and the scales by
+    `scale_step(BLOCK_K, QUADS, PAIRED)` per K step.
 
-    The words of a row block's K step are KB * 128 consecutive int32s, so their offsets are laid out flat: the
-    loads then vectorize and coalesce along that run with consecutive lanes on consecutive 16 bytes, and
-    `load_tile` reshapes them to [NB, KB, 32, 4]. Offsets shaped [NB, KB, 32, 4] made Triton put consecutive
-    lanes on different row blocks, 512 bytes apart: their cp.async writes to shared memory hit the same banks,
-    4-8 shared wavefronts per ideal one (Nsight Compute source counters, H100, 2026-12-07).
+    MX quads (a8w4): the words of a row block's K step are KB * 128 consecutive int32s, so their offsets (and the
+    residuals', below) are laid out flat: the loads then coalesce along that run with consecutive lanes on
+    consecutive bytes, and `load_tile` reshapes them. Shaped [NB, KB, 32, 4], the offsets made Triton put
+    consecutive lanes on different row blocks, 512 bytes apart: their cp.async writes to shared memory hit the
+    same banks, 4-8 shared wavefronts per ideal one on the words, 15-16 on the residuals (Nsight Compute source
+    counters, DeepSeek-V3, T = 1-8192, H100, 2026-12-07). MX tiles (a16w4) keep the 4-d offsets: flat, their
+    K loops took 2-9 % more instructions and up to 17 more registers (sm_90a, scripts/kernel_sass.py), and
+    their conflicts are not measured yet.
 
-    Scale offsets: MX tiles, int32 words [NB, KB * 8] (one per row pair); MX quads (QUADS), the
+    Scale offsets: MX tiles, int32 words [NB, KB, 8] (one per row pair); MX quads (QUADS), the
     residual bytes each lane needs for its 4 words, flat [NB, KB * 128] (a per-lane load keeps the table math in
     the words' own layout, so the decoded tile needs no shared-memory restage);
     with SCALED, the residual bytes in plain order [BLOCK_N, BLOCK_K / 32] (row, 32-k block).
@@ -92,7 +95,10 @@ def tile_offsets(expert64, pid_n, row_blocks, k_blocks, BLOCK_N: tl.constexpr, B
     kb = tl.arange(0, KB)
     blk = (expert64 * row_blocks + nb)[:, None] * k_blocks + kb[None, :]
     lane_j = tl.arange(0, 32)[:, None] * 4 + tl.arange(0, 4)[None, :]
-    w_off = ((expert64 * row_blocks + nb) * k_blocks * 128)[:, None] + tl.arange(0, KB * 128)[None, :]
+    if QUADS:  # flat: see above
+        w_off = ((expert64 * row_blocks + nb) * k_blocks * 128)[:, None] + tl.arange(0, KB * 128)[None, :]
+    else:
+        w_off = blk[:, :, None, None] * 128 + lane_j[None, None, :, :]
     if PAIRED:  # 64 bytes per row block and pair of K blocks: byte g * 8 + t * 4 + j
         first = (expert64 * row_blocks + nb) * ((k_blocks + 1) // 2) * 64  # [NB] each row block's first pair
     if QUADS and SCALED and PAIRED:  # row 16 nb + 8 h + g, block c = 2 kb + s: byte g*8 + t*4 + 2s + h of pair kb//2
@@ -113,9 +119,10 @@ def tile_offsets(expert64, pid_n, row_blocks, k_blocks, BLOCK_N: tl.constexpr, B
             + (lane_j // 16 * 8 + lane_j % 4)[None, None, :, :]
     elif QUADS:  # lane l's 4 bytes 4 (l // 4) .. + 3 of each block, flat ([NB, KB * 128])
         f = tl.arange(0, KB * 128)
-        s_off = ((expert64 * row_blocks + nb) * k_blocks * 32)[:, None] + (f // 128 * 32 + f % 128 // 16 * 4 + f % 4)[None, :]
-    else:  # the row block's KB * 8 scale words, flat ([NB, KB * 8])
-        s_off = ((expert64 * row_blocks + nb) * k_blocks * 8)[:, None] + tl.arange(0, KB * 8)[None, :]
+        s_off = ((expert64 * row_blocks + nb) * k_blocks * 32)[:, None] \
+            + (f // 128 * 32 + f % 128 // 16 * 4 + f % 4)[None, :]
+    else:
+        s_off = blk[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
     return w_off, s_off, nb < row_blocks, kb
 
 
@@ -148,17 +155,21 @@ def load_tile(w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks, PAIRED: tl.co
     """One K step's int32 value words [NB, KB, 32, 4] and its scale words [NB, KB, 8] (MX tiles) or residual bytes
     (MX quads: per lane [NB, KB, 32, 4], or in plain order for SCALED); zeros past N or K.
 
-    What a row block's step needs is one run of consecutive bytes (words, scale words, residuals): each is loaded
-    flat, so consecutive lanes read and write consecutive bytes, and reshaped here. Residual bytes are loaded
-    per lane (four lanes read each): handed over by a broadcast instead, they took a shared-memory restage."""
+    MX quads come through flat offsets (`tile_offsets`) and are reshaped here. Their residual bytes are loaded per
+    lane (four lanes read each): handed over by a broadcast from one load instead, they took a shared-memory
+    restage (32 byte stores and loads per K step, sm_90a)."""
     if PAIRED:
         s_off += pair_offset(k0, 64 * kb.shape[0])
     kb_ok = (k0 // 64 + kb) < k_blocks
     ok = nb_ok[:, None] & kb_ok[None, :]
     NB: tl.constexpr = ok.shape[0]
     KB: tl.constexpr = ok.shape[1]
-    flat_ok = nb_ok[:, None] & ((k0 // 64 + tl.arange(0, KB * 128) // 128) < k_blocks)[None, :]
-    words = tl.reshape(tl.load(w_ptr + w_off, mask=flat_ok, other=0), (NB, KB, 32, 4))
+    if QUADS:
+        flat_ok = nb_ok[:, None] & ((k0 // 64 + tl.arange(0, KB * 128) // 128) < k_blocks)[None, :]
+        words = tl.reshape(tl.load(w_ptr + w_off, mask=flat_ok, other=0), (NB, KB, 32, 4))
+        s_ok = flat_ok  # the residuals' flat offsets have the words' shape
+    else:
+        words = tl.load(w_ptr + w_off, mask=ok[:, :, None, None], other=0)
     if QUADS and SCALED:  # [BLOCK_N, BLOCK_K / 32] in plain order
         ok = tl.reshape(tl.broadcast_to(ok[:, None, :, None], (NB, 16, KB, 2)), (NB * 16, KB * 2))
         swords = tl.load(s_ptr + s_off, mask=ok, other=0)
@@ -171,11 +182,9 @@ def load_tile(w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks, PAIRED: tl.co
     elif QUADS and PAIRED:  # a 64-k step's half of a pair: per lane, [NB, KB, 32, 4]
         swords = tl.load(s_ptr + s_off, mask=ok[:, :, None, None], other=0)
     elif QUADS:  # [NB, KB * 128]: 4 bytes per lane and block
-        s_ok = nb_ok[:, None] & ((k0 // 64 + tl.arange(0, KB * 128) // 128) < k_blocks)[None, :]
         swords = tl.reshape(tl.load(s_ptr + s_off, mask=s_ok, other=0), (NB, KB, 32, 4))
-    else:  # MX tiles: [NB, KB * 8] scale words
-        s_ok = nb_ok[:, None] & ((k0 // 64 + tl.arange(0, KB * 8) // 8) < k_blocks)[None, :]
-        swords = tl.reshape(tl.load(s_ptr + s_off, mask=s_ok, other=0), (NB, KB, 8))
+    else:  # MX tiles: [NB, KB, 8] scale words
+        swords = tl.load(s_ptr + s_off, mask=ok[:, :, None], other=0)
     return words, swords
 
 
