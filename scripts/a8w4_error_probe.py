@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from atom_moe.experts import allocate_workspace, device_name, fused_experts  # noqa: E402
 from atom_moe.experts_torch import experts_torch  # noqa: E402
-from atom_moe.kernels.tuning import lookup  # noqa: E402
+from atom_moe.kernels.tuning import MAX_SPLIT_K, lookup  # noqa: E402
 from atom_moe.reference import reference_moe_prepared  # noqa: E402
 from atom_moe.tools import common  # noqa: E402
 
@@ -77,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument("--csv", type=Path)
     args = ap.parse_args(argv)
+    if min(args.tokens) < 1 or args.seeds < 1:
+        ap.error("--tokens and --seeds: allowed are positive counts")
+    if not all(1 <= s <= MAX_SPLIT_K for s in args.splits):
+        ap.error(f"--splits: allowed are 1..{MAX_SPLIT_K} (GEMM1's K splits)")
     if not torch.cuda.is_available():
         raise SystemExit("a8w4_error_probe.py runs the kernels: it needs a CUDA GPU")
     rows = probe(args)

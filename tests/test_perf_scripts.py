@@ -554,6 +554,8 @@ def test_a8w4_error_probe_needs_a_gpu():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, env=env, cwd=ROOT)
     assert proc.returncode == 0 and "--splits" in proc.stdout
+    proc = subprocess.run([sys.executable, script, "--splits", "16"], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert proc.returncode == 2 and "allowed are 1..8" in proc.stderr
     if not torch.cuda.is_available():
         proc = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, cwd=ROOT)
         assert proc.returncode == 1 and "needs a CUDA GPU" in proc.stderr
