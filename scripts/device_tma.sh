@@ -16,8 +16,9 @@ export PYTHONUNBUFFERED=1
 shapes=(${SHAPES:-deepseek-v3 kimi-k2 gpt-oss-120b glm-5.2-tp4})
 tokens=(${TOKENS:-512 2048 8192})
 tests=${TESTS:-tests/}
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 || { cat "$out/install.log"; exit 1; }
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 ||
+  { cat "$out/install.log"; exit 1; }
+python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
 step() { echo "== $1 [$(date +%T)]"; }
 if [ "$tests" != none ]; then
   step "GPU tests: $tests"
@@ -34,7 +35,8 @@ fi
 if [ "${PROFILE:-0}" = 1 ]; then
   for flag in 0 1; do
     step "ncu a8w4 ATOM_MOE_TMA=$flag"
-    ATOM_MOE_TMA=$flag NCU_TIMEOUT_S=${NCU_S:-150} OUT=$out/ncu$flag bash scripts/ncu_profile.sh deepseek-v3 a8w4 "2048 8192"
+    ATOM_MOE_TMA=$flag NCU_TIMEOUT_S=${NCU_S:-150} OUT=$out/ncu$flag \
+      bash scripts/ncu_profile.sh deepseek-v3 a8w4 "2048 8192"
     cp "$out/ncu$flag/ncu-deepseek-v3-a8w4.csv" "$out/ncu-tma$flag.csv" && rm -rf "$out/ncu$flag"
   done
 fi

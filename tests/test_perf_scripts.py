@@ -514,7 +514,8 @@ def test_ncu_source_summary_charges_stalls_and_excess_wavefronts(tmp_path):
     out = tmp_path / "loads.csv"
     assert ncu_source_summary.main([str(src), "--csv", str(out)]) == 0
     got = list(csv.DictReader(out.open()))
-    assert [(r["launch"], r["shared_excess"], r["l2_excess"]) for r in got] == [("0", "16.0", "1.0"), ("1", "1.0", "2.0")]
+    assert [(r["launch"], r["shared_excess"], r["l2_excess"]) for r in got] == [("0", "16.0", "1.0"),
+                                                                                 ("1", "1.0", "2.0")]
     (tmp_path / "empty.csv").write_text("a,b\n")
     with pytest.raises(SystemExit, match="no 'Kernel Name' block"):
         ncu_source_summary.launches(tmp_path / "empty.csv")
