@@ -5,8 +5,8 @@
 
 Per (shape, T, seed): the bench's random weights and uniform routing, then fused_experts with the table's tiles
 (`table`, split-K as the table or heuristic picks it) and with that config at GEMM1 split-K 1, 2 and 4
-(`split1` ...). Each is compared with experts_torch (the twin: the same e4m3 quantization of x and of GEMM2's
-input, fp32 sums) and with the fp32 layer on the same MXFP4 weights (no activation quant, `truth`); the twin's
+(`split1` ..., the table's own split left out). Each is compared with experts_torch (the twin: the same e4m3
+quantization of x and of GEMM2's input, fp32 sums) and with the fp32 layer on the same MXFP4 weights (no activation quant, `truth`); the twin's
 own distance to the truth is printed beside them. The GPU tests hold a8w4 to 2e-2 of the twin and to no more
 than 1e-3 further from the truth than the twin (tests/kernel_cases.py `assert_near_twin`): this shows how often
 and by how much each arm misses that.
@@ -28,14 +28,10 @@ from atom_moe.experts_torch import experts_torch  # noqa: E402
 from atom_moe.kernels.tuning import MAX_SPLIT_K, lookup  # noqa: E402
 from atom_moe.reference import reference_moe_prepared  # noqa: E402
 from atom_moe.tools import common  # noqa: E402
+from atom_moe.tools.accuracy import rel  # noqa: E402
+from atom_moe.tools.args import positive_int  # noqa: E402
 
 COLUMNS = ("shape", "T", "seed", "arm", "config", "vs_twin", "vs_truth", "twin_vs_truth", "excess")
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b|| in fp64."""
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def probe(args: argparse.Namespace) -> list[dict]:
@@ -48,7 +44,9 @@ def probe(args: argparse.Namespace) -> list[dict]:
         ws = allocate_workspace(spec, max(args.tokens), "cuda")
         for T in args.tokens:
             table = lookup(device_name(torch.device("cuda")), "a8w4", H, I, E, k, T)
-            arms = {"table": table, **{f"split{s}": dataclasses.replace(table, split_k1=s) for s in args.splits}}
+            # the table's own split is its `table` arm, not run twice
+            arms = {"table": table, **{f"split{s}": dataclasses.replace(table, split_k1=s) for s in args.splits
+                                       if s != table.split_k1}}
             for seed in range(args.seeds):
                 gen = torch.Generator(device="cuda").manual_seed(seed)
                 w, ids = common.make_routing(T, E, k, "uniform", gen, common.SHARED[name])
@@ -72,13 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["glm-5.2-tp4", "deepseek-v4.1-flash-tp2", "deepseek-v3"],
                     choices=list(common.SHAPES))
-    ap.add_argument("--tokens", nargs="+", type=int, default=[1, 8])
+    ap.add_argument("--tokens", nargs="+", type=positive_int, default=[1, 8])
     ap.add_argument("--splits", nargs="+", type=int, default=[1, 2, 4])
-    ap.add_argument("--seeds", type=int, default=8)
+    ap.add_argument("--seeds", type=positive_int, default=8)
     ap.add_argument("--csv", type=Path)
     args = ap.parse_args(argv)
-    if min(args.tokens) < 1 or args.seeds < 1:
-        ap.error("--tokens and --seeds: allowed are positive counts")
     if not all(1 <= s <= MAX_SPLIT_K for s in args.splits):
         ap.error(f"--splits: allowed are 1..{MAX_SPLIT_K} (GEMM1's K splits)")
     if not torch.cuda.is_available():

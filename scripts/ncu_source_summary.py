@@ -95,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--csv", type=Path, help="write every memory instruction's wavefronts and sectors here")
     p.add_argument("--top", type=int, default=8, help="hottest SASS lines per launch")
     args = p.parse_args(argv)
+    if args.top < 1:  # standard library only: the summary runs wherever the CSV is, no torch needed
+        p.error(f"--top {args.top}: allowed are 1 or more lines")
+    if not args.source_csv.is_file():
+        p.error(f"{args.source_csv}: no such file (ncu_profile.sh --source writes ncu-<tag>-source.csv)")
     table = []
     for i, (name, rows) in enumerate(launches(args.source_csv)):
         lines, mem = summarize(name, rows, args.top)

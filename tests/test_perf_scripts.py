@@ -516,6 +516,10 @@ def test_ncu_source_summary_charges_stalls_and_excess_wavefronts(tmp_path):
     got = list(csv.DictReader(out.open()))
     assert [(r["launch"], r["shared_excess"], r["l2_excess"]) for r in got] == [("0", "16.0", "1.0"),
                                                                                  ("1", "1.0", "2.0")]
+    with pytest.raises(SystemExit):  # argparse: --top must be >= 1, the file must exist
+        ncu_source_summary.main([str(src), "--top", "0"])
+    with pytest.raises(SystemExit):
+        ncu_source_summary.main([str(tmp_path / "missing.csv")])
     (tmp_path / "empty.csv").write_text("a,b\n")
     with pytest.raises(SystemExit, match="no 'Kernel Name' block"):
         ncu_source_summary.launches(tmp_path / "empty.csv")
@@ -557,6 +561,8 @@ def test_a8w4_error_probe_needs_a_gpu():
     assert proc.returncode == 0 and "--splits" in proc.stdout
     proc = subprocess.run([sys.executable, script, "--splits", "16"], capture_output=True, text=True, env=env, cwd=ROOT)
     assert proc.returncode == 2 and "allowed are 1..8" in proc.stderr
+    proc = subprocess.run([sys.executable, script, "--seeds", "0"], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert proc.returncode == 2 and "--seeds" in proc.stderr and ">= 1" in proc.stderr
     if not torch.cuda.is_available():
         proc = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, cwd=ROOT)
         assert proc.returncode == 1 and "needs a CUDA GPU" in proc.stderr
