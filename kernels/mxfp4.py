@@ -70,18 +70,19 @@ assert mx_tiles.PIECES == (((0, mx_tiles.MASK),), ((6, mx_tiles.MASK),), ((12, m
 @triton.jit
 def tile_offsets(expert64, pid_n, row_blocks, k_blocks, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  QUADS: tl.constexpr = False, SCALED: tl.constexpr = False, PAIRED: tl.constexpr = False):
-    """(word offsets [NB, KB, 32, 4], or [NB, KB * 128] for QUADS, scale offsets, row-block ok [NB], kb [KB]) of
+    """(word offsets [NB, KB, 128], or [NB, KB * 128] for QUADS, scale offsets, row-block ok [NB], kb [KB]) of
     the tile at column tile pid_n, K step 0; advance the words by KB * 128 and the scales by
     `scale_step(BLOCK_K, QUADS, PAIRED)` per K step.
 
-    MX quads (a8w4): the words of a row block's K step are KB * 128 consecutive int32s, so their offsets (and the
-    residuals', below) are laid out flat: the loads then coalesce along that run with consecutive lanes on
-    consecutive bytes, and `load_tile` reshapes them. Shaped [NB, KB, 32, 4], the offsets made Triton put
-    consecutive lanes on different row blocks, 512 bytes apart: their cp.async writes to shared memory hit the
-    same banks, 4-8 shared wavefronts per ideal one on the words, 15-16 on the residuals (Nsight Compute source
-    counters, DeepSeek-V3, T = 1-8192, H100, 2026-12-07). MX tiles (a16w4) keep the 4-d offsets: flat, their
-    K loops took 2-9 % more instructions and up to 17 more registers (sm_90a, scripts/kernel_sass.py), and
-    their conflicts are not measured yet.
+    The words of one MX block (a row block's 64 k) are 128 consecutive int32s, so their offsets run along that
+    block's last axis (MX quads, a8w4: the whole K step flat, the residuals' too, below): the loads then
+    coalesce with consecutive lanes on consecutive bytes, and `load_tile` reshapes them to [NB, KB, 32, 4].
+    Shaped [NB, KB, 32, 4], the offsets made Triton put consecutive lanes on different row blocks, 512 bytes
+    apart: their cp.async writes to shared memory hit the same banks (Nsight Compute source counters,
+    DeepSeek-V3, H100, 2026-12-07: a8w4 4-8 shared wavefronts per ideal one on the words, 15-16 on the
+    residuals; a16w4 4 by the TTGIR's layouts). Reshaped, a8w4 ran 1.04-1.25x and a16w4 1.02-1.14x faster
+    (docs/perf/mxfp4-h200.md). a16w4 keeps one axis per block ([NB, KB, 128]): fully flat, its K loops took
+    2-9 % more instructions and up to 17 more registers (sm_90a, scripts/kernel_sass.py).
 
     Scale offsets: MX tiles, int32 words [NB, KB, 8] (one per row pair); MX quads (QUADS), the
     residual bytes each lane needs for its 4 words, flat [NB, KB * 128] (a per-lane load keeps the table math in
@@ -98,7 +99,7 @@ def tile_offsets(expert64, pid_n, row_blocks, k_blocks, BLOCK_N: tl.constexpr, B
     if QUADS:  # flat: see above
         w_off = ((expert64 * row_blocks + nb) * k_blocks * 128)[:, None] + tl.arange(0, KB * 128)[None, :]
     else:
-        w_off = blk[:, :, None, None] * 128 + lane_j[None, None, :, :]
+        w_off = blk[:, :, None] * 128 + tl.arange(0, 128)[None, None, :]
     if PAIRED:  # 64 bytes per row block and pair of K blocks: byte g * 8 + t * 4 + j
         first = (expert64 * row_blocks + nb) * ((k_blocks + 1) // 2) * 64  # [NB] each row block's first pair
     if QUADS and SCALED and PAIRED:  # row 16 nb + 8 h + g, block c = 2 kb + s: byte g*8 + t*4 + 2s + h of pair kb//2
@@ -155,9 +156,9 @@ def load_tile(w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks, PAIRED: tl.co
     """One K step's int32 value words [NB, KB, 32, 4] and its scale words [NB, KB, 8] (MX tiles) or residual bytes
     (MX quads: per lane [NB, KB, 32, 4], or in plain order for SCALED); zeros past N or K.
 
-    MX quads come through flat offsets (`tile_offsets`) and are reshaped here. Their residual bytes are loaded per
-    lane (four lanes read each): handed over by a broadcast from one load instead, they took a shared-memory
-    restage (32 byte stores and loads per K step, sm_90a)."""
+    The words come through offsets along each block's run (`tile_offsets`) and are reshaped here. MX quads'
+    residual bytes are loaded per lane (four lanes read each): handed over by a broadcast from one load instead,
+    they took a shared-memory restage (32 byte stores and loads per K step, sm_90a)."""
     if PAIRED:
         s_off += pair_offset(k0, 64 * kb.shape[0])
     kb_ok = (k0 // 64 + kb) < k_blocks
@@ -169,7 +170,7 @@ def load_tile(w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks, PAIRED: tl.co
         words = tl.reshape(tl.load(w_ptr + w_off, mask=flat_ok, other=0), (NB, KB, 32, 4))
         s_ok = flat_ok  # the residuals' flat offsets have the words' shape
     else:
-        words = tl.load(w_ptr + w_off, mask=ok[:, :, None, None], other=0)
+        words = tl.reshape(tl.load(w_ptr + w_off, mask=ok[:, :, None], other=0), (NB, KB, 32, 4))
     if QUADS and SCALED:  # [BLOCK_N, BLOCK_K / 32] in plain order
         ok = tl.reshape(tl.broadcast_to(ok[:, None, :, None], (NB, 16, KB, 2)), (NB * 16, KB * 2))
         swords = tl.load(s_ptr + s_off, mask=ok, other=0)
