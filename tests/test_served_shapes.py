@@ -251,6 +251,18 @@ def test_served_glm_over_two_simulated_ranks(seed):
 
 
 # ---------------------------------------------------------------- real served dims (GPU)
+T1_DRAWS = 4  # T = 1 calls pooled for one check in _served_path
+
+
+def _served_call(spec, p, ws, T: int, gen: torch.Generator, device: str) -> tuple[torch.Tensor, ...]:
+    """One fused_experts call on new uniform routing and tokens: (got, twin, x, w, ids)."""
+    w, ids = common.make_routing(T, spec.num_experts, spec.top_k, "uniform", gen, spec.shared_experts)
+    x = torch.randn(T, spec.hidden_size, device=device, generator=gen).to(torch.bfloat16)
+    out = torch.full((T, spec.hidden_size), float("nan"), device=device, dtype=torch.bfloat16)
+    got = fused_experts(x, w, ids, p, spec, workspace=ws, out=out)
+    return got, experts_torch(x, w, ids, p, spec), x, w, ids
+
+
 def _served_path(spec, device: str, tokens: tuple[int, ...], gen: torch.Generator, graph: bool) -> None:
     """fused_experts on the bench's random weights and routing (fused shared slot last) at each T vs the torch
     twin, every row; with graph, a CUDA graph captured at the first T replays new routing exactly as eager."""
@@ -258,11 +270,12 @@ def _served_path(spec, device: str, tokens: tuple[int, ...], gen: torch.Generato
     p = common.random_weights(spec, device)
     ws = allocate_workspace(spec, max(tokens), device)
     for T in tokens:
-        w, ids = common.make_routing(T, E, k, "uniform", gen, spec.shared_experts)
-        x = torch.randn(T, H, device=device, generator=gen).to(torch.bfloat16)
-        out = torch.full((T, H), float("nan"), device=device, dtype=torch.bfloat16)
-        got = fused_experts(x, w, ids, p, spec, workspace=ws, out=out)
-        twin = experts_torch(x, w, ids, p, spec)
+        # T = 1 runs its own launch path (pair blocks) once per token, and its error bounds are taken over
+        # T1_DRAWS such calls: over one row, a8w4's distance to the twin and to the fp32 layer varies so much
+        # from seed to seed that the bounds were at that row's spread (0.018 of 0.02 and 9e-4 of 1e-3 in three
+        # seeds, docs/perf/a8w4-error-probe-h100-2026-12-07.csv), not at a kernel error
+        runs = [_served_call(spec, p, ws, T, gen, device) for _ in range(T1_DRAWS if T == 1 else 1)]
+        got, twin, x, w, ids = (torch.cat(parts) for parts in zip(*runs))
         assert torch.isfinite(got).all(), T
         assert_near_twin(got, twin, x, w, ids, spec, p, f"T={T}")
         assert _row_errs(got, twin).max() <= 3 * twin_tol(spec, got.device), T
