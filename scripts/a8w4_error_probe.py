@@ -6,8 +6,8 @@
 Per (shape, T, seed): the bench's random weights and uniform routing, then fused_experts with the table's tiles
 (`table`, split-K as the table or heuristic picks it) and with that config at GEMM1 split-K 1, 2 and 4
 (`split1` ..., the table's own split left out). Each is compared with experts_torch (the twin: the same e4m3
-quantization of x and of GEMM2's input, fp32 sums) and with the fp32 layer on the same MXFP4 weights (no activation quant, `truth`); the twin's
-own distance to the truth is printed beside them. The GPU tests hold a8w4 to 2e-2 of the twin and to no more
+quantization of x and of GEMM2's input, fp32 sums) and with the fp32 layer on the same MXFP4 weights (no
+activation quant, `truth`); the twin's own distance to the truth is printed beside them. The GPU tests hold a8w4 to 2e-2 of the twin and to no more
 than 1e-3 further from the truth than the twin (tests/kernel_cases.py `assert_near_twin`): this shows how often
 and by how much each arm misses that.
 """
