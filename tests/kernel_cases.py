@@ -52,6 +52,11 @@ def make_routing(T: int, E: int, k: int, *, mode: str = "random", device: str = 
     return weights.to(device), ids.to(device)
 
 
+# T = 1 calls pooled for one error check: over a single row, a8w4's distance to the twin and to the fp32 layer
+# spreads from seed to seed up to the bounds themselves (docs/perf/a8w4-error-probe-h100-2026-12-07.csv)
+T1_DRAWS = 4
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative Frobenius error ||a - b|| / ||b|| in fp64; NaN anywhere gives inf."""
     a, b = a.double(), b.double()

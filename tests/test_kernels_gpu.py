@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import assert_near_twin, flushable_mxfp4, make_layer, make_routing, reference, rel_err, twin_tol
+from kernel_cases import (T1_DRAWS, assert_near_twin, flushable_mxfp4, make_layer, make_routing, reference, rel_err,
+                          twin_tol)
 
 pytestmark = pytest.mark.gpu
 
@@ -30,17 +31,23 @@ def test_real_shapes(seed, scheme, shape):
     _, H, I, E, k, act, bias = shape
     spec, p = make_layer(H, I, E, k, scheme, oai=act == "oai", bias=bias, device="cuda")
     ws = allocate_workspace(spec, 300, "cuda")
+    fp8_act = scheme in ("fp8", "a8w4")
     for T, mode in ((1, "random"), (7, "sentinels"), (300, "one_expert"), (300, "random")):
-        w, ids = make_routing(T, E, k, mode=mode, device="cuda")
-        x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
-        out = torch.full((T, H), float("nan"), device="cuda", dtype=torch.bfloat16)
-        got = fused_experts(x, w, ids, p, spec, workspace=ws, out=out)
-        fp8_act = scheme in ("fp8", "a8w4")
-        # the fp32 reference with the same activation quant differs from the kernels as the twin does (twin_tol)
-        err_q = rel_err(got, reference(x, w, ids, spec, p, act_quant=fp8_act))
+        # T = 1's bounds are taken over T1_DRAWS calls: one row's error spreads too widely from draw to draw
+        parts = []
+        for _ in range(T1_DRAWS if T == 1 else 1):
+            w, ids = make_routing(T, E, k, mode=mode, device="cuda")
+            x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+            out = torch.full((T, H), float("nan"), device="cuda", dtype=torch.bfloat16)
+            got = fused_experts(x, w, ids, p, spec, workspace=ws, out=out)
+            # the fp32 reference with the same activation quant differs from the kernels as the twin does
+            parts.append((got.clone(), reference(x, w, ids, spec, p, act_quant=fp8_act),
+                          reference(x, w, ids, spec, p, act_quant=False) if fp8_act else None))
+        got, ref_q = torch.cat([g for g, _, _ in parts]), torch.cat([r for _, r, _ in parts])
+        err_q = rel_err(got, ref_q)
         assert err_q <= twin_tol(spec, got.device), (T, mode, err_q)
         if fp8_act:
-            assert rel_err(got, reference(x, w, ids, spec, p, act_quant=False)) <= 5e-2
+            assert rel_err(got, torch.cat([r for _, _, r in parts])) <= 5e-2
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s[0])

@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_cases import assert_near_twin, rel_err, twin_tol  # noqa: E402
+from kernel_cases import T1_DRAWS, assert_near_twin, rel_err, twin_tol  # noqa: E402
 from shared_common import split_reference  # noqa: E402
 
 from atom_moe.checkpoint.config import load_model  # noqa: E402
@@ -251,9 +251,6 @@ def test_served_glm_over_two_simulated_ranks(seed):
 
 
 # ---------------------------------------------------------------- real served dims (GPU)
-T1_DRAWS = 4  # T = 1 calls pooled for one check in _served_path
-
-
 def _served_call(spec, p, ws, T: int, gen: torch.Generator, device: str) -> tuple[torch.Tensor, ...]:
     """One fused_experts call on new uniform routing and tokens: (got, twin, x, w, ids)."""
     w, ids = common.make_routing(T, spec.num_experts, spec.top_k, "uniform", gen, spec.shared_experts)
