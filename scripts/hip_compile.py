@@ -15,7 +15,9 @@ pair blocks (no routing launch: GEMM1 specializes on the row's 128-groups and to
 for the T = 1 pick of every preset. On AMD the a8w4 e4m3
 decode takes its portable path (kernels/mxfp4.py's PRMT switch is PTX-only: off on a ROCm
 torch), so this script turns that switch off for the HIP build, as a ROCm torch would; on
-gfx950 a8w4 is built with SCALED (tl.dot_scaled) where `mxfp4.scaled_dot` picks it (128-k steps).
+gfx950 a8w4 is built with SCALED (tl.dot_scaled) where `mxfp4.scaled_dot` picks it (128-k steps). a8w4 is built
+as it runs by default (one scale per token on GEMM2's input, unless ATOM_MOE_A8W4_INTER=group): GEMM1 stores
+bf16, a launch quantizes it (kernels/inter_quant.py), and GEMM2 keeps one accumulator.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import compile_all  # noqa: E402  (the variants the tables and the heuristic can
 import kernel_sass  # noqa: E402  (the kernels' signatures and compile-time switches, shared with the SASS counter)
 
 from atom_moe.kernels import mxfp4  # noqa: E402
+from atom_moe.spec import Scheme  # noqa: E402
 
 ARCHS = ("gfx942", "gfx950")
 SCHEMES = compile_all.SCHEMES
@@ -110,10 +113,15 @@ def compile_hip(kernel: str, scheme: str, bm: int, bn: int, bk: int, warps: int,
     fn, sig, div = kernel_sass.signature(kernel, scheme)
     if kernel == "gemm2" and not separate:  # the counter combine's partials are the fp32 workspace
         sig = {**sig, "partial_ptr": "*fp32"}
+    # a8w4 as it runs by default (one scale per token on GEMM2's input): GEMM1 stores bf16, GEMM2 keeps one
+    # accumulator
+    row_scale = scheme == "a8w4" and Scheme.A8W4.inter_per_token
+    if row_scale and kernel == "gemm1":
+        sig = {**sig, "out_ptr": "*bf16"}
     # a8w4 through tl.dot_scaled where kernels/mxfp4.py's scaled_dot picks it by default (gfx950, 128-k steps)
     ce = kernel_sass.constexprs(kernel, scheme, bm, bn, bk, top_k, separate,
                                 scaled=mxfp4.scaled_by_default(arch, bk), pairs_hidden=pairs_hidden, split=split,
-                                phase=phase)
+                                phase=phase, row_scale=row_scale)
     names = list(sig) + list(ce)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in div}
     src = ASTSource(fn, {**sig, **{k: "constexpr" for k in ce}}, constexprs=ce, attrs=attrs)
