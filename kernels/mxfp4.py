@@ -70,19 +70,23 @@ assert mx_tiles.PIECES == (((0, mx_tiles.MASK),), ((6, mx_tiles.MASK),), ((12, m
 @triton.jit
 def tile_offsets(expert64, pid_n, row_blocks, k_blocks, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  QUADS: tl.constexpr = False, SCALED: tl.constexpr = False, PAIRED: tl.constexpr = False):
-    """(word offsets [NB, KB, 128], or [NB, KB * 128] for QUADS, scale offsets, row-block ok [NB], kb [KB]) of
-    the tile at column tile pid_n, K step 0; advance the words by KB * 128 and the scales by
-    `scale_step(BLOCK_K, QUADS, PAIRED)` per K step.
+    """(word offsets [NB, KB, 128], scale offsets, row-block ok [NB], kb [KB]) of the tile at column tile pid_n,
+    K step 0; advance the words by KB * 128 and the scales by `scale_step(BLOCK_K, QUADS, PAIRED)` per K step.
 
     The words of one MX block (a row block's 64 k) are 128 consecutive int32s, so their offsets run along that
-    block's last axis (MX quads, a8w4: the whole K step flat, the residuals' too, below): the loads then
-    coalesce with consecutive lanes on consecutive bytes, and `load_tile` reshapes them to [NB, KB, 32, 4].
-    Shaped [NB, KB, 32, 4], the offsets made Triton put consecutive lanes on different row blocks, 512 bytes
-    apart: their cp.async writes to shared memory hit the same banks (Nsight Compute source counters,
-    DeepSeek-V3, H100, 2026-12-07: a8w4 4-8 shared wavefronts per ideal one on the words, 15-16 on the
-    residuals; a16w4 4 by the TTGIR's layouts). Reshaped, a8w4 ran 1.04-1.25x and a16w4 1.02-1.14x faster
-    (docs/perf/mxfp4-h200.md). a16w4 keeps one axis per block ([NB, KB, 128]): fully flat, its K loops took
-    2-9 % more instructions and up to 17 more registers (sm_90a, scripts/kernel_sass.py).
+    block's last axis: the loads then coalesce with consecutive lanes on consecutive bytes, and `load_tile`
+    reshapes them to [NB, KB, 32, 4]. Shaped [NB, KB, 32, 4], the offsets made Triton put consecutive lanes on
+    different row blocks, 512 bytes apart: their cp.async writes to shared memory hit the same banks (Nsight
+    Compute source counters, DeepSeek-V3, H100, 2026-12-07: a8w4 4-8 shared wavefronts per ideal one on the
+    words, 15-16 on the residuals; a16w4 4 by the TTGIR's layouts). Reshaped, a8w4 ran 1.04-1.25x and a16w4
+    1.02-1.14x faster (docs/perf/mxfp4-h200.md). a16w4's fully flat form took 2-9 % more K-loop instructions and
+    up to 17 more registers (sm_90a, scripts/kernel_sass.py).
+    MX quads' words ran flat [NB, KB * 128] at first, the shape of their residual offsets. Triton gives
+    same-shaped loads that meet in the decode the widest vector any of them takes: beside the paired residuals'
+    8 bytes a lane, the words went 32 bytes a lane in two 16-byte cp.async, each touching twice its ideal L2
+    sectors and shared-memory wavefronts (Nsight Compute, a8w4 GEMM1, DeepSeek-V3, T = 1 and 128, H100,
+    2026-12-07). In their own shape they take 16 bytes a lane, 512 contiguous bytes a warp. sm_90a K loops of
+    the tables' a8w4 GEMM1 tiles: -11 to +4 instructions, -2 to +6 registers (not timed yet).
 
     Scale offsets: MX tiles, int32 words [NB, KB, 8] (one per row pair); MX quads (QUADS), the
     residual bytes each lane needs for its 4 words, flat [NB, KB * 128] (a per-lane load keeps the table math in
@@ -96,10 +100,7 @@ def tile_offsets(expert64, pid_n, row_blocks, k_blocks, BLOCK_N: tl.constexpr, B
     kb = tl.arange(0, KB)
     blk = (expert64 * row_blocks + nb)[:, None] * k_blocks + kb[None, :]
     lane_j = tl.arange(0, 32)[:, None] * 4 + tl.arange(0, 4)[None, :]
-    if QUADS:  # flat: see above
-        w_off = ((expert64 * row_blocks + nb) * k_blocks * 128)[:, None] + tl.arange(0, KB * 128)[None, :]
-    else:
-        w_off = blk[:, :, None] * 128 + tl.arange(0, 128)[None, None, :]
+    w_off = blk[:, :, None] * 128 + tl.arange(0, 128)[None, None, :]
     if PAIRED:  # 64 bytes per row block and pair of K blocks: byte g * 8 + t * 4 + j
         first = (expert64 * row_blocks + nb) * ((k_blocks + 1) // 2) * 64  # [NB] each row block's first pair
     if QUADS and SCALED and PAIRED:  # row 16 nb + 8 h + g, block c = 2 kb + s: byte g*8 + t*4 + 2s + h of pair kb//2
@@ -165,12 +166,9 @@ def load_tile(w_ptr, s_ptr, w_off, s_off, nb_ok, kb, k0, k_blocks, PAIRED: tl.co
     ok = nb_ok[:, None] & kb_ok[None, :]
     NB: tl.constexpr = ok.shape[0]
     KB: tl.constexpr = ok.shape[1]
+    words = tl.reshape(tl.load(w_ptr + w_off, mask=ok[:, :, None], other=0), (NB, KB, 32, 4))
     if QUADS:
-        flat_ok = nb_ok[:, None] & ((k0 // 64 + tl.arange(0, KB * 128) // 128) < k_blocks)[None, :]
-        words = tl.reshape(tl.load(w_ptr + w_off, mask=flat_ok, other=0), (NB, KB, 32, 4))
-        s_ok = flat_ok  # the residuals' flat offsets have the words' shape
-    else:
-        words = tl.reshape(tl.load(w_ptr + w_off, mask=ok[:, :, None], other=0), (NB, KB, 32, 4))
+        s_ok = nb_ok[:, None] & ((k0 // 64 + tl.arange(0, KB * 128) // 128) < k_blocks)[None, :]
     if QUADS and SCALED:  # [BLOCK_N, BLOCK_K / 32] in plain order
         ok = tl.reshape(tl.broadcast_to(ok[:, None, :, None], (NB, 16, KB, 2)), (NB * 16, KB * 2))
         swords = tl.load(s_ptr + s_off, mask=ok, other=0)
