@@ -123,7 +123,7 @@ def test_the_flag_decides_the_default(seed, monkeypatch):
 
 def test_a8w4_takes_the_routing_launch_where_pairs_do_not_pay_off(seed, monkeypatch):
     # unset flag: a8w4 at T = 1 with many unsplit GEMM1 programs routes through the routing launch (the rule's
-    # threshold lowered to this tiny layer's 6 programs), a split config or the flag at 1 keeps pair blocks; the
+    # threshold lowered to this tiny layer's 9 programs), a split config or the flag at 1 keeps pair blocks; the
     # two paths give the same bits
     spec, p, w, ids, x = _case("a8w4", "random", 1)
     cfg = TileConfig(16, 128, 64, 4, 2, 64, 64, 4, 2)  # 3 slots x ceil(2 * 160 / 128) = 9 GEMM1 programs
