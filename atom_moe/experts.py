@@ -5,8 +5,7 @@ activations) and a8w4 (MXFP4 weights as MX quads, e4m3 activations: the layer in
 token-group-128, GEMM2's input per token-group-64; fp8 dots, see kernels/gemm1.py).
 
 Three Triton launches per call at small T (two at T = 1: GEMM1 does the routing launch's work,
-kernels/routing.py `PairBlocks`, where kernels/tuning.py `pairs_pay_off` says so; ATOM_MOE_PAIR_BLOCKS=0 keeps the
-routing launch, =1 takes pair blocks at every T = 1; a config that splits GEMM1's K
+kernels/routing.py `PairBlocks`; ATOM_MOE_PAIR_BLOCKS=0 keeps the routing launch; a config that splits GEMM1's K
 adds its second launch, as a8w4's heuristic does at T = 1 on shapes with few GEMM1 programs, kernels/tuning.py);
 larger T adds a separate combine
 (kernels/gemm2.py) and a second routing-sort launch (kernels/routing.py). No host sync,
@@ -47,26 +46,27 @@ PAIR_BLOCKS_FLAG = "ATOM_MOE_PAIR_BLOCKS"
 
 
 def pair_blocks_flag() -> str:
-    """ATOM_MOE_PAIR_BLOCKS: "" (unset, the default: T = 1 calls skip the routing launch where
-    kernels/tuning.py `pairs_pay_off` says so), "1" (at every T = 1) or "0" (never).
+    """ATOM_MOE_PAIR_BLOCKS: "" (unset) or "1" (the default: T = 1 calls skip the routing launch) or "0" (never).
 
     On since 2026-12-05: 1.02-1.18x faster than the routing launch at T = 1 in all 16 (shape, scheme) cells timed
-    on an H100 (docs/perf/launch-h100.md); a8w4's large shapes back off since 2026-12-07 (`pairs_pay_off`)."""
+    on an H100 (docs/perf/launch-h100.md); since a8w4's K loop rounds x itself (2026-12-07), 1.03-1.11x for a8w4
+    on all nine served shapes on an H100 (docs/perf/mxfp4-h200.md)."""
     flag = os.environ.get(PAIR_BLOCKS_FLAG, "")
     if flag not in ("", "0", "1"):
-        raise ValueError(f"{PAIR_BLOCKS_FLAG}={flag!r}: allowed are unset (the default: T = 1 in two launches where "
-                         "that pays off), 1 (at every T = 1) or 0 (the routing launch at every T)")
+        raise ValueError(f"{PAIR_BLOCKS_FLAG}={flag!r}: allowed are unset or 1 (the default: T = 1 in two launches) "
+                         "or 0 (the routing launch at every T)")
     return flag
 
 
 def launch_flags() -> str:
     """The launch flags this process sets away from their defaults ("ATOM_MOE_A8W4_INTER=group
-    ATOM_MOE_PAIR_BLOCKS=0 (or 1) ATOM_MOE_PDL=1 ATOM_MOE_TMA=1", or ""): benchmark rows carry them, so a time is never
-    read as the default path's when it was not."""
-    from atom_moe.kernels.common import PDL_FLAG, TMA_FLAG  # lazy: the package imports without Triton
+    ATOM_MOE_PAIR_BLOCKS=0 (or 1) ATOM_MOE_PDL=1 ATOM_MOE_TMA=1 ATOM_MOE_SWAP=1 (or 0)", or ""): benchmark rows carry
+    them, so a time is never read as the default path's when it was not."""
+    from atom_moe.kernels.common import PDL_FLAG, SWAP_FLAG, TMA_FLAG  # lazy: the package imports without Triton
     changed = [f"{A8W4_INTER_FLAG}=group"] if os.environ.get(A8W4_INTER_FLAG) == "group" else []
     changed += [f"{PAIR_BLOCKS_FLAG}={flag}" for flag in [os.environ.get(PAIR_BLOCKS_FLAG)] if flag in ("0", "1")]
-    return " ".join(changed + [f"{flag}=1" for flag in (PDL_FLAG, TMA_FLAG) if os.environ.get(flag) == "1"])
+    changed += [f"{flag}=1" for flag in (PDL_FLAG, TMA_FLAG) if os.environ.get(flag) == "1"]
+    return " ".join(changed + [f"{SWAP_FLAG}={flag}" for flag in [os.environ.get(SWAP_FLAG)] if flag in ("0", "1")])
 
 
 def _kernels():
@@ -202,9 +202,8 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     pair count (kernels.gemm2.SEPARATE_MIN_PAIRS). `pair_blocks` skips the routing launch: each
     (token, slot) pair is its own row block and GEMM1 does the routing launch's per-token work
     (kernels/routing.py `PairBlocks`); by default on for T = 1 with a local output and unquantized x, where no
-    expert can take two pairs of distinct ids, unless kernels/tuning.py `pairs_pay_off` says the routing launch is
-    faster (a8w4's large shapes) or ATOM_MOE_PAIR_BLOCKS overrides it (`pair_blocks_flag`): two launches (three
-    where the config splits GEMM1's K).
+    expert can take two pairs of distinct ids, unless ATOM_MOE_PAIR_BLOCKS=0 (`pair_blocks_flag`): two launches
+    (three where the config splits GEMM1's K).
     """
     if spec.scheme not in SUPPORTED:
         raise ValueError(f"fused_experts supports schemes {[s.value for s in SUPPORTED]}, got {spec.scheme.value}")
@@ -251,9 +250,7 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     fp8 = spec.scheme.fp8_activations  # fp8 and a8w4
     quant = fp8 and not pre_quantized
     if pair_blocks is None:
-        flag = pair_blocks_flag()
-        pair_blocks = (T == 1 and remote is None and not pre_quantized and flag != "0"
-                       and (flag == "1" or tuning.pairs_pay_off(spec.scheme.value, spec.intermediate_size, k, cfg)))
+        pair_blocks = T == 1 and remote is None and not pre_quantized and pair_blocks_flag() != "0"
     elif pair_blocks and (remote is not None or pre_quantized):
         raise ValueError("fused_experts: pair_blocks needs a local output and unquantized x (no remote, no x_scale)")
     pairs = routing.PairBlocks(topk_ids, weights.expert_map, x, out, ws.counters, ws.n_counters) if pair_blocks \

@@ -68,6 +68,22 @@ def pdl(device: torch.device) -> bool:
     return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
 
 
+SWAP_FLAG = "ATOM_MOE_SWAP"
+SWAP_BELOW_ROWS = 64  # Hopper's wgmma is 64 rows tall: narrower bf16 / fp8 tiles compile to mma.sync
+
+
+def swapped(block_m: int, fp8: bool) -> bool:
+    """Whether bf16 / fp8 tiles of block_m rows run swapped (kernels/mainloop.py k_loop SWAP: out^T = w @ x^T, the
+    weight tile as the MMA's tall operand), below SWAP_BELOW_ROWS rows: ATOM_MOE_SWAP unset swaps bf16's (the
+    default since 2026-12-07: 0.997-1.044x the plain tiles' speed over nine shapes at T = 1-512 on an H100,
+    docs/perf/swap-h100.md), 1 fp8's too (mixed there), 0 neither."""
+    flag = os.environ.get(SWAP_FLAG, "")
+    if flag not in ("", "0", "1"):
+        raise ValueError(f"{SWAP_FLAG}={flag!r}: allowed are unset (bf16 tiles under {SWAP_BELOW_ROWS} rows compute "
+                         "out^T = w @ x^T), 1 (fp8's too) or 0 (out = x @ w^T for both)")
+    return block_m < SWAP_BELOW_ROWS and (flag == "1" or (flag == "" and not fp8))
+
+
 TMA_FLAG = "ATOM_MOE_TMA"
 
 

@@ -32,10 +32,10 @@ from atom_moe.layouts.gate_up import GateUpKind, GateUpLayout, GateUpTensor, Lay
 from atom_moe.spec import A8W4_INTER_GROUP
 
 from .common import (FP8_MAX, QGROUP, cast, check_split, e4m3_scale, interpreting, pdl_options, pdl_release, pdl_wait,
-                     register_cap, scale_strides, tile_desc)
+                     register_cap, scale_strides, swapped, tile_desc)
 from .mainloop import k_loop, tile_expert, tile_finish, tile_rows, tile_start
 from .mxfp4 import launch_args, rowexp_arg, scaled_dot
-from .routing import PairBlocks, local_slots, quant_row, zero_counters, zero_row
+from .routing import PairBlocks, local_slots, quant_row, row_scale, zero_counters, zero_row
 
 GROUP = 128  # host-side twin of common.QGROUP
 
@@ -51,7 +51,7 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, stride_xs, stride_xs_k, w_ptr, ws_ptr
                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, IGROUP: tl.constexpr, INTERP: tl.constexpr, SCALED: tl.constexpr,
                   PAIRS: tl.constexpr, KP2: tl.constexpr, HG: tl.constexpr, PDL_WAIT: tl.constexpr,
-                  PDL_RELEASE: tl.constexpr, TMA_W: tl.constexpr, QOUT: tl.constexpr):
+                  PDL_RELEASE: tl.constexpr, TMA_W: tl.constexpr, QOUT: tl.constexpr, SWAP: tl.constexpr):
     # PDL (kernels/common.py): wait for the launch before (it may still run), then let GEMM2 start; GEMM2 reads
     # nothing of ours before its own wait
     pdl_wait(PDL_WAIT)
@@ -59,10 +59,14 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, stride_xs, stride_xs_k, w_ptr, ws_ptr
     n_out = 2 * inter
     pid_m, pid_n, expert = tile_expert(block_expert_ptr, n_blocks, tl.cdiv(n_out, BLOCK_N), GROUP_M, ids_ptr,
                                        emap_ptr, num_experts, PAIRS)
+    # a8w4's pair blocks read the bf16 row and round it in the K loop to the row's one scale (k_loop QUANT_A): with
+    # a quantized copy, every program stored the same row before a barrier and read it back (fp8 still does: its
+    # scale per 128-group would cost each K step a reduction)
+    QUANT_A: tl.constexpr = PAIRS and FP8 and W4 and PHASE != 2
     if PAIRS and PHASE != 2:  # no routing launch ran: its per-token work is done here (kernels/routing.py)
         token_duties(pid_m, pid_n, expert, ids_ptr, emap_ptr, num_experts, src_ptr, stride_src, x_ptr, xs_ptr,
-                     counters_ptr, n_counters, layer_out_ptr, stride_layer_out, hidden, top_k, KP2, FP8, HG, INTERP,
-                     ROW_SCALE=FP8 and W4)
+                     counters_ptr, n_counters, layer_out_ptr, stride_layer_out, hidden, top_k, KP2,
+                     FP8 and not W4, HG, INTERP)
     if expert < 0:
         return
     e64 = expert.to(tl.int64)
@@ -70,9 +74,16 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, stride_xs, stride_xs_k, w_ptr, ws_ptr
     tok = (pair // top_k).to(tl.int64)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < n_out
-    a_ptrs, as_ptrs, w_ptrs, w_off, s_off, nb_ok, kb = tile_start(
-        x_ptr, tok, stride_x, xs_ptr, stride_xs, w_ptr, e64, pid_n, n, n_out, hidden, row_blocks, k_blocks,
-        QGROUP, FP8, W4, BLOCK_N, BLOCK_K, SCALED, PAIRED=FP8 and W4)  # a8w4's w13: residuals paired
+    a_scale = 1.0
+    if QUANT_A:
+        a_scale = row_scale((pid_m // top_k).to(tl.int64), src_ptr, stride_src, hidden, QGROUP, HG)
+        a_ptrs, as_ptrs, w_ptrs, w_off, s_off, nb_ok, kb = tile_start(
+            src_ptr, tok, stride_src, xs_ptr, stride_xs, w_ptr, e64, pid_n, n, n_out, hidden, row_blocks, k_blocks,
+            QGROUP, FP8, W4, BLOCK_N, BLOCK_K, SCALED, PAIRED=True)
+    else:
+        a_ptrs, as_ptrs, w_ptrs, w_off, s_off, nb_ok, kb = tile_start(
+            x_ptr, tok, stride_x, xs_ptr, stride_xs, w_ptr, e64, pid_n, n, n_out, hidden, row_blocks, k_blocks,
+            QGROUP, FP8, W4, BLOCK_N, BLOCK_K, SCALED, PAIRED=FP8 and W4, SWAP=SWAP)  # a8w4: residuals paired
     ws_lo = ws_ptr  # read only by the fp8 scheme
     ws_hi = ws_ptr
     ws_sel = tl.arange(0, BLOCK_N) % 2 == 1
@@ -86,9 +97,9 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, stride_xs, stride_xs_k, w_ptr, ws_ptr
     # stores the fp32 sum over its K slice [s * k_span, (s + 1) * k_span) to part[s, pair]; PHASE 2 (a
     # second launch, one program per tile) adds the SPLIT slices in order s = 0, 1, ... (deterministic)
     # and runs the epilogue below.
-    # MXFP4's accumulator is out^T [BLOCK_N, BLOCK_M] until tile_finish: its slices go through part
+    # MXFP4's (and SWAP's) accumulator is out^T [BLOCK_N, BLOCK_M] until tile_finish: its slices go through part
     # transposed, so the slice sum is exact in either orientation.
-    if W4:
+    if W4 or SWAP:
         p_ptrs = part_ptr + pair.to(tl.int64)[None, :] * n_out + n[:, None]
         p_mask = n_ok[:, None] & row_ok[None, :]
     else:
@@ -96,7 +107,7 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, stride_xs, stride_xs_k, w_ptr, ws_ptr
         p_mask = row_ok[:, None] & n_ok[None, :]
     slab = num_pairs.to(tl.int64) * n_out  # one K slice's rows
     if PHASE == 2:
-        if W4:
+        if W4 or SWAP:
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -112,11 +123,11 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, stride_xs, stride_xs_k, w_ptr, ws_ptr
                      s_off, nb_ok, kb, k_blocks, hidden, k_lo, k_hi, x_ptr, 0, w_desc,
                      (expert * n_out + pid_n * BLOCK_N).to(tl.int32),
                      QGROUP, FP8, W4, BIG, BLOCK_M, BLOCK_N, BLOCK_K, INTERP, SCALED, TMA_W=TMA_W,
-                     PAIRED=FP8 and W4, ROW_SCALE=FP8 and W4)
+                     PAIRED=FP8 and W4, ROW_SCALE=FP8 and W4, a_scale=a_scale, QUANT_A=QUANT_A, SWAP=SWAP)
         if PHASE == 1:
             tl.store(p_ptrs + tl.program_id(1) * slab, acc, mask=p_mask)
             return
-    acc = tile_finish(acc, rowexp_ptr, bias_ptr, e64, n, n_ok, n_out, FP8, W4, HAS_BIAS)
+    acc = tile_finish(acc, rowexp_ptr, bias_ptr, e64, n, n_ok, n_out, FP8, W4, HAS_BIAS, SWAP)
     gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
     if OAI or CLAMP:
         # NaN must survive the clamp: min/clamp default to dropping it on GPUs (PTX min.f32)
@@ -150,13 +161,13 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, stride_xs, stride_xs_k, w_ptr, ws_ptr
 @triton.jit
 def token_duties(pid_m, pid_n, expert, ids_ptr, emap_ptr, num_experts, src_ptr, stride_src, xq_ptr, xs_ptr,
                  counters_ptr, n_counters, out_ptr, stride_out, hidden, top_k, KP2: tl.constexpr,
-                 QUANT: tl.constexpr, HG: tl.constexpr, INTERP: tl.constexpr, ROW_SCALE: tl.constexpr = False):
+                 QUANT: tl.constexpr, HG: tl.constexpr, INTERP: tl.constexpr):
     """The routing launch's per-token work for pair block pid_m (pair pid_m, token pid_m // top_k).
 
     The token's first pair, column tile 0, first K slice zeroes the token's combine counters and,
-    when no slot is local, its output row. With e4m3 activations (QUANT) every program with work
-    quantizes the token's row into xq / xs itself (the same bytes whichever program writes them;
-    ROW_SCALE: one scale for the row, a8w4) and reads it back after a barrier: no program waits on another.
+    when no slot is local, its output row. With fp8's e4m3 activations (QUANT) every program with work
+    quantizes the token's row into xq / xs itself (the same bytes whichever program writes them) and reads it
+    back after a barrier: no program waits on another. (a8w4 rounds the row in its K loop: k_loop QUANT_A.)
     """
     tok = (pid_m // top_k).to(tl.int64)
     if (pid_m % top_k == 0) & (pid_n == 0) & (tl.program_id(1) == 0):
@@ -165,7 +176,7 @@ def token_duties(pid_m, pid_n, expert, ids_ptr, emap_ptr, num_experts, src_ptr, 
             zero_row(tok, 0, out_ptr, stride_out, hidden, QGROUP, HG)
     if QUANT:
         if expert >= 0:
-            quant_row(tok, 0, src_ptr, stride_src, xq_ptr, xs_ptr, hidden, QGROUP, HG, INTERP, ROW_SCALE)
+            quant_row(tok, 0, src_ptr, stride_src, xq_ptr, xs_ptr, hidden, QGROUP, HG, INTERP)
             tl.debug_barrier()  # this program's K loop reads the row back
 
 
@@ -190,8 +201,8 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
     >= split_k * T * top_k * 2I elements: GEMM2's scratch, free while GEMM1 runs; allocate_workspace
     sizes it for split-K at decode batches). maxnreg > 0 caps the registers per thread (NVIDIA).
     pairs: no routing launch ran (kernels/routing.py `PairBlocks`); sorted_ids / block_expert are
-    unread, n_blocks is T * top_k, and with e4m3 activations x / x_scale are the buffers GEMM1 fills
-    from pairs.x.
+    unread, n_blocks is T * top_k, and with fp8's e4m3 activations x / x_scale are the buffers GEMM1 fills
+    from pairs.x (a8w4's K loop rounds pairs.x itself and reads neither).
     pdl: programmatic dependent launch (kernels/common.py `pdl`): the launch waits on the routing launch
     before it (not with pairs: its predecessor is not ours) and releases the next (GEMM2, or split-K's
     second launch) at its start.
@@ -244,8 +255,8 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
     split = check_split("GEMM1", split_k, num_tokens * top_k, 2 * inter, hidden, block_k, partial)
     if pairs is not None:
         _check_pairs(pairs, num_tokens, top_k, hidden, n_blocks)
-        if fp8 and (x.stride(0) != hidden or not x_scale.is_contiguous()):
-            raise ValueError("GEMM1 pair blocks: x and x_scale are the e4m3 buffers GEMM1 fills; they must be "
+        if fp8 and not w4 and (x.stride(0) != hidden or not x_scale.is_contiguous()):
+            raise ValueError("GEMM1 pair blocks: fp8's x and x_scale are the e4m3 buffers GEMM1 fills; they must be "
                              "contiguous")
     # BIG is each MX layout's one compile-time switch: a16w4's scales above 128, a8w4's flushed blocks
     tiles = n_blocks * triton.cdiv(2 * inter, block_n)
@@ -265,7 +276,8 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
                 # the token's slots and its row in 128-groups (pair blocks only: 1 keeps other launches as they were)
                 KP2=1 if pairs is None else triton.next_power_of_2(top_k),
                 HG=1 if pairs is None else triton.next_power_of_2(triton.cdiv(hidden, GROUP)),
-                TMA_W=w_desc is not None, QOUT=qout, num_warps=num_warps, num_stages=num_stages,
+                TMA_W=w_desc is not None, QOUT=qout, SWAP=not w4 and swapped(block_m, fp8),
+                num_warps=num_warps, num_stages=num_stages,
                 **register_cap(maxnreg))
     first = pdl and pairs is None  # the routing launch came just before
     phases = [(0, (tiles,))] if split == 1 else [(1, (tiles, split)), (2, (tiles,))]

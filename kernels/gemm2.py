@@ -43,7 +43,7 @@ import triton.language as tl
 from atom_moe.spec import A8W4_INTER_GROUP
 
 from .common import (QGROUP, cast, check_split, checked_ids, interpreting, pdl_options, pdl_wait, prefetch_l2,
-                     register_cap, scale_strides, tile_desc)
+                     register_cap, scale_strides, swapped, tile_desc)
 from .mainloop import k_loop, tile_expert, tile_finish, tile_rows, tile_start
 from .mxfp4 import launch_args, rowexp_arg, scaled_dot
 
@@ -84,7 +84,7 @@ def _gemm2_kernel(a_ptr, as_ptr, stride_as, stride_as_k, w_ptr, ws_ptr, rowexp_p
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, IGROUP: tl.constexpr, INTERP: tl.constexpr, REMOTE: tl.constexpr,
                   SEPARATE: tl.constexpr, SCALED: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr,
-                  TMA_A: tl.constexpr, TMA_W: tl.constexpr, ROW_SCALE: tl.constexpr):
+                  TMA_A: tl.constexpr, TMA_W: tl.constexpr, ROW_SCALE: tl.constexpr, SWAP: tl.constexpr):
     pid_m, pid_n, expert = tile_expert(block_expert_ptr, n_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M, ids_ptr,
                                        emap_ptr, num_experts, PAIRS, PDL)
     if PDL:  # launched while GEMM1 runs: ask L2 for this tile's weights, then wait for GEMM1's output
@@ -101,7 +101,7 @@ def _gemm2_kernel(a_ptr, as_ptr, stride_as, stride_as_k, w_ptr, ws_ptr, rowexp_p
     # a8w4's activation groups are 64 columns, a K step each (IGROUP)
     a_ptrs, as_ptrs, w_ptrs, w_off, s_off, nb_ok, kb = tile_start(
         a_ptr, rows.to(tl.int64), inter, as_ptr, stride_as, w_ptr, e64, pid_n, n, hidden, inter, row_blocks, k_blocks,
-        IGROUP, FP8, W4, BLOCK_N, BLOCK_K, SCALED)
+        IGROUP, FP8, W4, BLOCK_N, BLOCK_K, SCALED, SWAP=SWAP)
     ws_lo = ws_ptr  # read only by the fp8 scheme
     ws_hi = ws_ptr
     ws_sel = tl.arange(0, BLOCK_N) >= QGROUP
@@ -130,8 +130,9 @@ def _gemm2_kernel(a_ptr, as_ptr, stride_as, stride_as_k, w_ptr, ws_ptr, rowexp_p
     acc = k_loop(a_ptrs, as_ptrs, stride_as_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, ws_hi, ws_sel, n_ok, w_off, s_off,
                  nb_ok, kb, k_blocks, inter, k_lo, k_hi, a_desc, pid_m * BLOCK_M, w_desc,
                  (expert * hidden + pid_n * BLOCK_N).to(tl.int32),
-                 IGROUP, FP8, W4, BIG, BLOCK_M, BLOCK_N, BLOCK_K, INTERP, SCALED, TMA_A, TMA_W, ROW_SCALE=ROW_SCALE)
-    acc = tile_finish(acc, rowexp_ptr, bias_ptr, e64, n, n_ok, hidden, FP8, W4, HAS_BIAS and SPLIT == 1)
+                 IGROUP, FP8, W4, BIG, BLOCK_M, BLOCK_N, BLOCK_K, INTERP, SCALED, TMA_A, TMA_W, ROW_SCALE=ROW_SCALE,
+                 SWAP=SWAP)
+    acc = tile_finish(acc, rowexp_ptr, bias_ptr, e64, n, n_ok, hidden, FP8, W4, HAS_BIAS and SPLIT == 1, SWAP)
     if HAS_BIAS and SPLIT > 1:  # once per row: by slice 0 (the flag as a vector: triton 3.9's interpreter)
         first = (tl.zeros([BLOCK_N], tl.int32) + tl.program_id(1)) == 0
         acc += tl.load(bias_ptr + e64 * hidden + n, mask=n_ok & first, other=0.0)[None, :]
@@ -332,7 +333,8 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
         KP2=triton.next_power_of_2(top_k),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, IGROUP=igroup, INTERP=interpreting(),
         REMOTE=remote is not None, SEPARATE=separate, SCALED=w4 and fp8 and scaled_dot(a.device, block_k), PAIRS=pairs,
-        PDL=pdl, TMA_A=a_desc is not None, TMA_W=w_desc is not None, ROW_SCALE=row_scale, num_warps=num_warps,
+        PDL=pdl, TMA_A=a_desc is not None, TMA_W=w_desc is not None, ROW_SCALE=row_scale,
+        SWAP=not w4 and swapped(block_m, fp8), num_warps=num_warps,
         num_stages=num_stages,
         **register_cap(maxnreg), **pdl_options(pdl),
     )

@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import QGROUP, cast, checked_ids, dot, tile_ids
+from .common import FP8_MAX, QGROUP, cast, checked_ids, dot, tile_ids
 from .mxfp4 import row_factor, scale_step, swap_step, tile_offsets
 
 
@@ -63,23 +63,27 @@ def tile_rows(sorted_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr, PAIRS: tl.con
 @triton.jit
 def tile_start(a_ptr, a_rows, stride_a, as_ptr, stride_as, w_ptr, e64, pid_n, n, n_total, K, row_blocks, k_blocks,
                AGROUP: tl.constexpr, FP8: tl.constexpr, W4: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, SCALED: tl.constexpr = False, PAIRED: tl.constexpr = False):
+               BLOCK_K: tl.constexpr, SCALED: tl.constexpr = False, PAIRED: tl.constexpr = False,
+               SWAP: tl.constexpr = False):
     """(a_ptrs, as_ptrs, w_ptrs, w_off, s_off, nb_ok, kb): where `k_loop` starts for this tile.
 
     a_rows: each tile row's activation row (int64), stride_a apart; as_ptrs: each row's first
     activation scale (FP8, AGROUP columns per scale), stride_as apart. bf16/fp8 weights: w_ptrs at rows n of
     expert e64's [n_total, K] matrix. MXFP4: the MX tile offsets (mxfp4.tile_offsets; PAIRED: MX quads with
-    paired residuals). What a
-    scheme does not use is returned unread (the bare pointers, zeros).
+    paired residuals). SWAP (bf16 / fp8; MXFP4 always): the tiles of k_loop's swapped product, activation^T
+    [BLOCK_K, BLOCK_M] and weights [BLOCK_N, BLOCK_K]. What a scheme does not use is returned unread (the bare
+    pointers, zeros).
     """
     kk = tl.arange(0, BLOCK_K)
-    if W4:  # activation^T tiles [BLOCK_K, BLOCK_M]
+    if W4 or SWAP:  # activation^T tiles [BLOCK_K, BLOCK_M]
         a_ptrs = a_ptr + a_rows[None, :] * stride_a + kk[:, None]
     else:
         a_ptrs = a_ptr + a_rows[:, None] * stride_a + kk[None, :]
     as_ptrs, w_ptrs, w_off, s_off, nb_ok, kb = as_ptr, w_ptr, 0, 0, False, 0
     if W4:  # MX tiles, or MX quads for a8w4 (kernels/mxfp4.py), advanced per K step
         w_off, s_off, nb_ok, kb = tile_offsets(e64, pid_n, row_blocks, k_blocks, BLOCK_N, BLOCK_K, FP8, SCALED, PAIRED)
+    elif SWAP:
+        w_ptrs = w_ptr + e64 * n_total * K + n.to(tl.int64)[:, None] * K + kk[None, :]
     else:
         w_ptrs = w_ptr + e64 * n_total * K + n.to(tl.int64)[None, :] * K + kk[:, None]
     if FP8:
@@ -92,10 +96,13 @@ def k_loop(a_ptrs, as_ptrs, stride_as_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, w
            kb, k_blocks, K, k_lo, k_hi, a_desc, a_row, w_desc, w_row, AGROUP: tl.constexpr, FP8: tl.constexpr,
            W4: tl.constexpr, BIG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
            INTERP: tl.constexpr, SCALED: tl.constexpr = False, TMA_A: tl.constexpr = False,
-           TMA_W: tl.constexpr = False, PAIRED: tl.constexpr = False, ROW_SCALE: tl.constexpr = False):
-    """The fp32 accumulator of one tile over k in [k_lo, k_hi): [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] for W4.
+           TMA_W: tl.constexpr = False, PAIRED: tl.constexpr = False, ROW_SCALE: tl.constexpr = False,
+           a_scale=1.0, QUANT_A: tl.constexpr = False, SWAP: tl.constexpr = False):
+    """The fp32 accumulator of one tile over k in [k_lo, k_hi): [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] swapped
+    (W4 always; SWAP for bf16 / fp8: acc^T += w @ a^T, so the weight tile is the MMA's wide left operand and
+    Hopper's wgmma takes a few-row tile; unswapped, fewer than 64 rows compile to mma.sync, fp8 upcast to fp16).
 
-    a_ptrs: activation tile pointers ([BLOCK_M, BLOCK_K], or [BLOCK_K, BLOCK_M] for W4) at k = 0;
+    a_ptrs: activation tile pointers ([BLOCK_M, BLOCK_K], or [BLOCK_K, BLOCK_M] swapped) at k = 0;
     as_ptrs: each row's first activation scale (FP8), AGROUP columns per scale, the next K group's stride_as_k
     further (1 for row-major scales; GEMM2's are group-major, atom_moe/experts.py `Workspace`); w_ptrs: the bf16/fp8
     weight tile; ws_lo / ws_hi: the first K group's block scales of the tile's two kinds of columns (fp8:
@@ -106,6 +113,9 @@ def k_loop(a_ptrs, as_ptrs, stride_as_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, w
     (kernels/mxfp4.py); PAIRED: a8w4's residuals paired (w13, atom_moe/layouts/mx_quads.py); ROW_SCALE (a8w4's
     GEMM1): each row's activation scales are all one (atom_moe.spec.Scheme.x_per_token), so the K loop keeps one
     accumulator and the first is applied after it, the only one read (docs/perf/a8w4-one-accumulator-h100.md).
+    QUANT_A (a8w4's pair blocks, with ROW_SCALE): a_ptrs are the bf16 rows and a_scale their one scale
+    (routing.row_scale); each step rounds its tile to e4m3 as routing.quant_row would have, so no quantized copy
+    is stored and read back.
     TMA_A (any scheme) / TMA_W
     (bf16, fp8): the activation tile comes from a_desc at rows
     [a_row, a_row + BLOCK_M) (they must be consecutive; rows that hold no pair load what is there, and
@@ -120,7 +130,8 @@ def k_loop(a_ptrs, as_ptrs, stride_as_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, w
         s_off += (k_lo // BLOCK_K) * scale_step(BLOCK_K, FP8, PAIRED)
     else:
         w_ptrs += k_lo
-    if W4:
+    SWAPPED: tl.constexpr = W4 or SWAP
+    if SWAPPED:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # out^T
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -133,7 +144,10 @@ def k_loop(a_ptrs, as_ptrs, stride_as_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, w
         k_col = (k_lo // AGROUP) * stride_as_k
         if ROW_SCALE:  # the row's one scale: its first column (x_scale may be [T, 1])
             k_col = 0
-        a_s_next = tl.load(as_ptrs + k_col, mask=row_ok & first, other=0.0)
+        if QUANT_A:
+            a_s_next = tl.zeros([BLOCK_M], tl.float32) + a_scale
+        else:
+            a_s_next = tl.load(as_ptrs + k_col, mask=row_ok & first, other=0.0)
         a_s_row = a_s_next  # ROW_SCALE: the row's one scale
     k_end = k_hi
     if W4:  # at least one step (an empty split-K slice loads only masked zeros): with a path that skips the
@@ -143,10 +157,12 @@ def k_loop(a_ptrs, as_ptrs, stride_as_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, w
         k_end = tl.maximum(k_hi, k_lo + BLOCK_K)
     for k0 in range(k_lo, k_end, BLOCK_K):
         k_ok = (k0 + kk) < K
-        if W4 and TMA_A:  # GEMM2's rows through TMA: off the LSU pipe, the fullest unit of a8w4's GEMMs
+        if SWAPPED and TMA_A:  # GEMM2's rows through TMA: off the LSU pipe, the fullest unit of a8w4's GEMMs
             a = tl.trans(a_desc.load([a_row, k0]))
-        elif W4:
+        elif SWAPPED:
             a = tl.load(a_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+            if QUANT_A:
+                a = cast(tl.clamp(a.to(tl.float32) / a_scale, -FP8_MAX, FP8_MAX), tl.float8e4nv, INTERP)
         elif TMA_A:
             a = a_desc.load([a_row, k0])
         else:
@@ -174,8 +190,12 @@ def k_loop(a_ptrs, as_ptrs, stride_as_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, w
             w_off += (BLOCK_K // 64) * 128
             s_off += scale_step(BLOCK_K, FP8, PAIRED)
         else:
-            if TMA_W:
+            if TMA_W and SWAP:
+                w = w_desc.load([w_row, k0])
+            elif TMA_W:
                 w = tl.trans(w_desc.load([w_row, k0]))
+            elif SWAP:
+                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             else:
                 w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if FP8:
@@ -186,11 +206,17 @@ def k_loop(a_ptrs, as_ptrs, stride_as_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, w
                 # shared-memory broadcast and an extra FMUL each: 35-70 % more K-loop instructions at 64- and
                 # 128-row tiles on sm_90a, docs/perf/prefill-kloop-sass.md)
                 w_s = tl.where(ws_sel, tl.load(ws_hi + kb8), tl.load(ws_lo + kb8))
-                acc += tl.dot(a, w) * (a_s[:, None] * w_s[None, :])
+                if SWAP:
+                    acc += tl.dot(w, a) * (w_s[:, None] * a_s[None, :])
+                else:
+                    acc += tl.dot(a, w) * (a_s[:, None] * w_s[None, :])
             else:
                 if a_ptrs.dtype.element_ty != tl.bfloat16:  # the bf16 scheme computes in bf16
                     a = cast(a.to(tl.float32), tl.bfloat16, INTERP)
-                acc = dot(a, w, acc, INTERP)
+                if SWAP:
+                    acc = dot(w, a, acc, INTERP)
+                else:
+                    acc = dot(a, w, acc, INTERP)
             w_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
     if W4 and FP8 and ROW_SCALE:
@@ -200,12 +226,12 @@ def k_loop(a_ptrs, as_ptrs, stride_as_k, row_ok, w_ptr, ws_ptr, w_ptrs, ws_lo, w
 
 @triton.jit
 def tile_finish(acc, rowexp_ptr, bias_ptr, e64, n, n_ok, n_total, FP8: tl.constexpr, W4: tl.constexpr,
-                HAS_BIAS: tl.constexpr):
+                HAS_BIAS: tl.constexpr, SWAP: tl.constexpr = False):
     """k_loop's accumulator as [BLOCK_M, BLOCK_N] fp32 with the weights' row factors (MX quads) and
     bias (rows n of expert e64's n_total) applied: what both epilogues start from."""
-    if W4:
-        if FP8:  # MX quads: each row's 2^(base - 133)
-            acc = acc * row_factor(rowexp_ptr, e64, n, n_ok, n_total)[:, None]
+    if W4 and FP8:  # MX quads: each row's 2^(base - 133)
+        acc = acc * row_factor(rowexp_ptr, e64, n, n_ok, n_total)[:, None]
+    if W4 or SWAP:
         acc = tl.trans(acc)  # the epilogue works on [BLOCK_M, BLOCK_N]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + e64 * n_total + n, mask=n_ok, other=0.0)[None, :]

@@ -61,7 +61,7 @@ class PairBlocks:
 
     topk_ids: torch.Tensor  # [T, k]
     expert_map: torch.Tensor  # int32 [E]: local expert or -1
-    x: torch.Tensor  # [T, H] the layer input (quantized by GEMM1 for e4m3 activations)
+    x: torch.Tensor  # [T, H] the layer input (GEMM1 quantizes it for e4m3 activations)
     out: torch.Tensor  # [T, H] the layer output (rows no local expert writes are zeroed)
     counters: torch.Tensor  # int32 [>= T * n_counters]: GEMM2's combine counters, zeroed
     n_counters: int
@@ -294,6 +294,20 @@ def zero_row(t64, chunk, out_ptr, stride_out, hidden, GROUP: tl.constexpr, GPC: 
 
 
 @triton.jit
+def _row_scale_of(v):
+    """The one e4m3 scale of the values v (fp32, any shape): amax / 448, NaN where one is NaN or Inf."""
+    return e4m3_scale(tl.max(tl.max(tl.abs(v), 1), 0), tl.sum(tl.sum(tl.abs(v) * 0.0, 1), 0))
+
+
+@triton.jit
+def row_scale(t64, x_ptr, stride_x, hidden, GROUP: tl.constexpr, GPC: tl.constexpr):
+    """The one e4m3 scale of x row t64 (its first GPC * GROUP >= hidden columns): what quant_row stores with
+    ROW_SCALE, for a K loop that quantizes the row itself (kernels/gemm1.py, a8w4's pair blocks)."""
+    k = tl.arange(0, GPC)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    return _row_scale_of(tl.load(x_ptr + t64 * stride_x + k, mask=k < hidden, other=0.0).to(tl.float32))
+
+
+@triton.jit
 def quant_row(t64, chunk, x_ptr, stride_x, xq_ptr, xs_ptr, hidden, GROUP: tl.constexpr, GPC: tl.constexpr,
               EMULATE: tl.constexpr, ROW_SCALE: tl.constexpr = False):
     """e4m3 copy of columns [chunk * GPC * GROUP, +GPC * GROUP) of x row t64, one fp32 scale per GROUP (ROW_SCALE:
@@ -302,12 +316,10 @@ def quant_row(t64, chunk, x_ptr, stride_x, xq_ptr, xs_ptr, hidden, GROUP: tl.con
     k = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     km = k < hidden
     v = tl.load(x_ptr + t64 * stride_x + k, mask=km, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(v), 1)
-    nan = tl.sum(tl.abs(v) * 0.0, 1)
     if ROW_SCALE:
-        amax = tl.zeros([GPC], tl.float32) + tl.max(amax, 0)
-        nan = tl.zeros([GPC], tl.float32) + tl.sum(nan, 0)
-    scale = e4m3_scale(amax, nan)  # ROW_SCALE: the row's, in every group
+        scale = tl.zeros([GPC], tl.float32) + _row_scale_of(v)  # the row's, in every group
+    else:
+        scale = e4m3_scale(tl.max(tl.abs(v), 1), tl.sum(tl.abs(v) * 0.0, 1))
     q = tl.clamp(v / scale[:, None], -FP8_MAX, FP8_MAX)
     tl.store(xq_ptr + t64 * hidden + k, cast(q, xq_ptr.dtype.element_ty, EMULATE), mask=km)
     n_groups = tl.cdiv(hidden, GROUP)

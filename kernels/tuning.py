@@ -100,8 +100,6 @@ MAX_SPLIT_K = 8  # kernels/common.py's bound (no triton import here)
 SPLIT_MAX_PAIRS = 128  # kernels/common.py's: split-K only for decode batches
 MIN_BLOCK_M = 16
 A8W4_SPLIT_BELOW_PROGRAMS = 128  # a8w4 at T = 1: split GEMM1's K below this many programs
-# a8w4 at T = 1 takes the routing launch from this many unsplit GEMM1 programs on (pairs_pay_off)
-A8W4_SORTED_FROM_PROGRAMS = 192
 # A tuned row serves T up to this factor away from its bucket; further out the heuristic, which follows the rows per
 # expert, runs: the H100 table's one qwen3 a8w4 row (T = 1, 16-row tiles) took 3.0x the heuristic's time at T = 8192
 # (2026-12-06, docs/perf/a8w4-128-row-tune-h100-2026-12-06-trials.csv). The shipped tables step by 4x, so every T
@@ -161,20 +159,6 @@ def _load(dirs: tuple[str, ...]) -> list[list[dict]]:
         groups.append([r for f in sorted(CONFIG_DIR.glob("*.csv")) for r in _read_csv(f)])
         _tables[dirs] = groups
     return _tables[dirs]
-
-
-def pairs_pay_off(scheme: str, inter: int, top_k: int, cfg: TileConfig) -> bool:
-    """Whether a one-token call should skip the routing launch (pair blocks, kernels/routing.py) by default.
-
-    Every scheme but a8w4 does. a8w4's pair-block GEMM1 has each program quantize the whole x row to one scale
-    before its K loop; on an H100 (2026-12-07, docs/perf/mxfp4-h200.md) the routing launch, which quantizes it once,
-    made the layer 1.4-9 % faster on the four shapes whose GEMM1 runs 192-256 programs unsplit (DeepSeek-V3,
-    Kimi-K2, GLM-4.5, Qwen3-235B), and pair blocks stayed 3.5-9 % faster on the five with 180 programs or a split
-    K (gpt-oss-120b, GLM-5.2-TP8 / TP4, DeepSeek-V4.1-Flash-TP4 / TP2). On DeepSeek-V3, Nsight Compute measured
-    GEMM1 at 61.2 us with pair blocks and 48.4 us after the routing launch (6.7 us)."""
-    if scheme != "a8w4" or cfg.split_k1 > 1:
-        return True
-    return top_k * -(-2 * inter // cfg.block_n1) < A8W4_SORTED_FROM_PROGRAMS
 
 
 def heuristic(scheme: str, hidden: int, inter: int, num_experts: int, top_k: int, tokens: int) -> TileConfig:

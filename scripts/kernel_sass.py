@@ -38,6 +38,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # @triton.jit would give interpre
     sys.exit("kernel_sass.py compiles the real kernels: run it without TRITON_INTERPRET=1")
 
 from atom_moe.kernels.gemm1 import _gemm1_kernel  # noqa: E402
+from atom_moe.kernels.common import swapped  # noqa: E402
 from atom_moe.kernels.gemm2 import _gemm2_kernel  # noqa: E402
 from atom_moe.spec import Scheme  # noqa: E402
 
@@ -101,10 +102,12 @@ def constexprs(kernel: str, scheme: str, block_m: int, block_n: int, block_k: in
     GEMM2's activation rows);
     split > 1: a split-K launch (GEMM1's phase 1 computes the slices, phase 2 adds them; GEMM2 in one launch);
     row_scale: a8w4 with one scale per token on GEMM2's input (the default; off: ATOM_MOE_A8W4_INTER=group): GEMM1
-    stores bf16, GEMM2 keeps one accumulator."""
+    stores bf16, GEMM2 keeps one accumulator. bf16 / fp8 tiles are swapped as the launchers swap them
+    (kernels/common.py `swapped`: ATOM_MOE_SWAP)."""
     common = dict(FP8=scheme in ("fp8", "a8w4"), W4=scheme in ("a16w4", "a8w4"), BIG=False, HAS_BIAS=True,
                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
-                  IGROUP=Scheme(scheme).inter_group, INTERP=False, SCALED=scaled and scheme == "a8w4")
+                  IGROUP=Scheme(scheme).inter_group, INTERP=False, SCALED=scaled and scheme == "a8w4",
+                  SWAP=scheme in ("bf16", "fp8") and swapped(block_m, scheme == "fp8"))
     if kernel == "gemm1":
         pairs = dict(PAIRS=True, KP2=triton.next_power_of_2(top_k), HG=triton.next_power_of_2(-(-pairs_hidden // 128))) \
             if pairs_hidden else dict(PAIRS=False, KP2=1, HG=1)

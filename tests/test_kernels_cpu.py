@@ -265,6 +265,46 @@ def test_fused_experts_matches_reference(seed, case):
             assert rel_err(got, reference(x, w, ids, spec, p, act_quant=False)) <= 5e-2
 
 
+def test_swap_flag(monkeypatch):
+    from atom_moe.kernels.common import swapped
+    monkeypatch.delenv("ATOM_MOE_SWAP", raising=False)  # the default: bf16 swapped, fp8 not
+    assert swapped(16, fp8=False) and swapped(32, fp8=False) and not swapped(16, fp8=True)
+    assert not swapped(64, fp8=False)  # wgmma's own 64 rows need no swap
+    monkeypatch.setenv("ATOM_MOE_SWAP", "1")
+    assert swapped(16, fp8=True) and swapped(16, fp8=False) and not swapped(64, fp8=True)
+    monkeypatch.setenv("ATOM_MOE_SWAP", "0")
+    assert not swapped(16, fp8=True) and not swapped(16, fp8=False)
+    monkeypatch.setenv("ATOM_MOE_SWAP", "yes")
+    with pytest.raises(ValueError, match=r"ATOM_MOE_SWAP='yes': allowed are unset .* 1 .* or 0"):
+        swapped(16, fp8=False)
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] in ("bf16", "fp8")],
+                         ids=lambda c: "-".join(str(v) for v in c[:9]))
+def test_swapped_tiles_compute_the_same_layer(seed, monkeypatch, case, split_k):
+    # ATOM_MOE_SWAP=1 (kernels/common.py `swapped`): bf16 / fp8 tiles under 64 rows compute out^T = w @ x^T;
+    # 16 and 32 rows, split K or not, must give the plain orientation's layer (the sums differ only in order)
+    scheme, H, I, E, k, T, act, bias, mode, local, gate_std = case
+    spec, p = make_layer(H, I, E, k, scheme, oai=act == "oai", bias=bias, local_experts=local, device=DEVICE,
+                         gate_std=gate_std)
+    w, ids = make_routing(T, E, k, mode=mode, device=DEVICE)
+    x = torch.randn(T, H, device=DEVICE).to(torch.bfloat16)
+    twin = experts_torch(x, w, ids, p, spec)
+    for bm in (16, 32):
+        n1, k1 = (256, 128) if scheme == "fp8" else (64, 64)
+        cfg = TileConfig(bm, n1, k1, 4, 2, 128, k1, 4, 2, split_k1=split_k,
+                         split_k2=split_k if I >= split_k * k1 else 1)  # GEMM2 needs a K step per slice
+        monkeypatch.setenv("ATOM_MOE_SWAP", "0")
+        plain = fused_experts(x, w, ids, p, spec, config=cfg)
+        monkeypatch.setenv("ATOM_MOE_SWAP", "1")
+        ws = allocate_workspace(spec, T, DEVICE)
+        poison(ws)
+        got = fused_experts(x, w, ids, p, spec, config=cfg, workspace=ws)
+        assert torch.isfinite(got).all(), cfg
+        assert rel_err(got, plain) <= 1e-3 and rel_err(got, twin) <= 1e-2, cfg
+
+
 @pytest.mark.parametrize("scheme", ["bf16", "fp8", "a16w4", "a8w4"])
 def test_tile_configs_agree(seed, scheme):
     # every BLOCK_M / tile shape computes the same function (padding, partial tiles, K tails)

@@ -47,6 +47,7 @@ def test_launch_flags_are_named_for_benchmark_rows(monkeypatch):
     monkeypatch.delenv("ATOM_MOE_PAIR_BLOCKS", raising=False)
     monkeypatch.delenv("ATOM_MOE_TMA", raising=False)
     monkeypatch.delenv("ATOM_MOE_A8W4_INTER", raising=False)
+    monkeypatch.delenv("ATOM_MOE_SWAP", raising=False)
     assert launch_flags() == ""
     monkeypatch.setenv("ATOM_MOE_PDL", "1")
     assert launch_flags() == "ATOM_MOE_PDL=1"
@@ -60,8 +61,13 @@ def test_launch_flags_are_named_for_benchmark_rows(monkeypatch):
     assert launch_flags() == "ATOM_MOE_PAIR_BLOCKS=0 ATOM_MOE_TMA=1"
     monkeypatch.setenv("ATOM_MOE_A8W4_INTER", "token")  # the default: not named
     assert launch_flags() == "ATOM_MOE_PAIR_BLOCKS=0 ATOM_MOE_TMA=1"
+    monkeypatch.setenv("ATOM_MOE_SWAP", "1")
+    assert launch_flags() == "ATOM_MOE_PAIR_BLOCKS=0 ATOM_MOE_TMA=1 ATOM_MOE_SWAP=1"
+    monkeypatch.setenv("ATOM_MOE_SWAP", "0")  # bf16 unswapped too: away from the default, named
+    assert launch_flags() == "ATOM_MOE_PAIR_BLOCKS=0 ATOM_MOE_TMA=1 ATOM_MOE_SWAP=0"
+    monkeypatch.setenv("ATOM_MOE_SWAP", "1")
     monkeypatch.setenv("ATOM_MOE_A8W4_INTER", "group")
-    assert launch_flags() == "ATOM_MOE_A8W4_INTER=group ATOM_MOE_PAIR_BLOCKS=0 ATOM_MOE_TMA=1"
+    assert launch_flags() == "ATOM_MOE_A8W4_INTER=group ATOM_MOE_PAIR_BLOCKS=0 ATOM_MOE_TMA=1 ATOM_MOE_SWAP=1"
 
 
 def _chain(spec, p, xs, w, ids, ws, outs, **kwargs) -> None:
