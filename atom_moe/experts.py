@@ -1,8 +1,8 @@
 """The fused experts step on one GPU: routing metadata, GEMM1 (+SwiGLU, +fp8 quant), GEMM2 (+combine).
 
 Schemes: bf16, fp8 (e4m3 weights, 128x128 block scales), a16w4 (MXFP4 weights, bf16
-activations) and a8w4 (MXFP4 weights as MX quads, e4m3 activations: the layer input per
-token-group-128, GEMM2's input per token-group-64; fp8 dots, see kernels/gemm1.py).
+activations) and a8w4 (MXFP4 weights as MX quads, e4m3 activations: one scale per token for the layer
+input and, by default, for GEMM2's input (ATOM_MOE_A8W4_INTER); fp8 dots, see kernels/gemm1.py).
 
 Three Triton launches per call at small T (two at T = 1: GEMM1 does the routing launch's work,
 kernels/routing.py `PairBlocks`; ATOM_MOE_PAIR_BLOCKS=0 keeps the routing launch; a config that splits GEMM1's K
