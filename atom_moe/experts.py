@@ -60,11 +60,11 @@ def pair_blocks_flag() -> str:
 
 def launch_flags() -> str:
     """The launch flags this process sets away from their defaults ("ATOM_MOE_A8W4_INTER=group
-    ATOM_MOE_PAIR_BLOCKS=0 (or 1) ATOM_MOE_PDL=1 ATOM_MOE_TMA=1 ATOM_MOE_SWAP=1 (or 0)", or ""): benchmark rows carry
+    ATOM_MOE_PAIR_BLOCKS=0 ATOM_MOE_PDL=1 ATOM_MOE_TMA=1 ATOM_MOE_SWAP=1 (or 0)", or ""): benchmark rows carry
     them, so a time is never read as the default path's when it was not."""
     from atom_moe.kernels.common import PDL_FLAG, SWAP_FLAG, TMA_FLAG  # lazy: the package imports without Triton
     changed = [f"{A8W4_INTER_FLAG}=group"] if os.environ.get(A8W4_INTER_FLAG) == "group" else []
-    changed += [f"{PAIR_BLOCKS_FLAG}={flag}" for flag in [os.environ.get(PAIR_BLOCKS_FLAG)] if flag in ("0", "1")]
+    changed += [f"{PAIR_BLOCKS_FLAG}=0"] if os.environ.get(PAIR_BLOCKS_FLAG) == "0" else []  # "1" is the default
     changed += [f"{flag}=1" for flag in (PDL_FLAG, TMA_FLAG) if os.environ.get(flag) == "1"]
     return " ".join(changed + [f"{SWAP_FLAG}={flag}" for flag in [os.environ.get(SWAP_FLAG)] if flag in ("0", "1")])
 

@@ -37,8 +37,8 @@ sys.path.insert(0, str(ROOT))
 if os.environ.get("TRITON_INTERPRET") == "1":  # @triton.jit would give interpreter functions, not compilable ones
     sys.exit("kernel_sass.py compiles the real kernels: run it without TRITON_INTERPRET=1")
 
-from atom_moe.kernels.gemm1 import _gemm1_kernel  # noqa: E402
 from atom_moe.kernels.common import swapped  # noqa: E402
+from atom_moe.kernels.gemm1 import _gemm1_kernel  # noqa: E402
 from atom_moe.kernels.gemm2 import _gemm2_kernel  # noqa: E402
 from atom_moe.spec import Scheme  # noqa: E402
 

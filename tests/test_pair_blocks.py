@@ -10,7 +10,6 @@ bit for bit (a row's result does not depend on which block computes it).
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 

@@ -51,8 +51,8 @@ def test_launch_flags_are_named_for_benchmark_rows(monkeypatch):
     assert launch_flags() == ""
     monkeypatch.setenv("ATOM_MOE_PDL", "1")
     assert launch_flags() == "ATOM_MOE_PDL=1"
-    monkeypatch.setenv("ATOM_MOE_PAIR_BLOCKS", "1")  # pair blocks at every T = 1, a8w4's large shapes too
-    assert launch_flags() == "ATOM_MOE_PAIR_BLOCKS=1 ATOM_MOE_PDL=1"
+    monkeypatch.setenv("ATOM_MOE_PAIR_BLOCKS", "1")  # the default spelled out: not named
+    assert launch_flags() == "ATOM_MOE_PDL=1"
     monkeypatch.setenv("ATOM_MOE_PAIR_BLOCKS", "0")
     assert launch_flags() == "ATOM_MOE_PAIR_BLOCKS=0 ATOM_MOE_PDL=1"
     monkeypatch.setenv("ATOM_MOE_PDL", "0")

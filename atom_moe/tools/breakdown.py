@@ -1,9 +1,9 @@
 """`atom-moe breakdown`: time each launch of the fused experts layer against its own floor.
 
 The layer is three Triton launches: routing metadata (kernels/routing.py), GEMM1 (+SwiGLU,
-+fp8 quant; kernels/gemm1.py) and GEMM2 (+weighted combine; kernels/gemm2.py); at T = 1 two with
-ATOM_MOE_PAIR_BLOCKS=1 (pair blocks: GEMM1 does the routing launch's work); at large T the routing sort takes a second
-launch ("routing.sort") and the combine its own ("combine", `--combine` forces either combine). Per
++fp8 quant; kernels/gemm1.py) and GEMM2 (+weighted combine; kernels/gemm2.py); at T = 1 two by default
+(pair blocks: GEMM1 does the routing launch's work; ATOM_MOE_PAIR_BLOCKS=0 keeps three); at large T the routing
+sort takes a second launch ("routing.sort") and the combine its own ("combine", `--combine` forces either combine). Per
 (shape, scheme, T) this builds the bench's synthetic layer (common.random_weights,
 common.make_routing), calls fused_experts once (tile config from kernels.tuning.lookup,
 exactly as the layer resolves it) with every Triton launch recorded (kernel, grid,
