@@ -6,7 +6,7 @@ input and, by default, for GEMM2's input (ATOM_MOE_A8W4_INTER); fp8 dots, see ke
 
 Three Triton launches per call at small T (two at T = 1: GEMM1 does the routing launch's work,
 kernels/routing.py `PairBlocks`; ATOM_MOE_PAIR_BLOCKS=0 keeps the routing launch; a config that splits GEMM1's K
-adds its second launch, as a8w4's heuristic does at T = 1 on shapes with few GEMM1 programs, kernels/tuning.py);
+adds its second launch, as the heuristic does at T = 1 on shapes with few GEMM1 programs, kernels/tuning.py);
 larger T adds a separate combine
 (kernels/gemm2.py) and a second routing-sort launch (kernels/routing.py). No host sync,
 every buffer in a `Workspace` that the caller may allocate once (`allocate_workspace`) and

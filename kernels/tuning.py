@@ -13,7 +13,7 @@ import csv
 import logging
 import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 log = logging.getLogger("atom_moe.kernels")
@@ -100,6 +100,8 @@ MAX_SPLIT_K = 8  # kernels/common.py's bound (no triton import here)
 SPLIT_MAX_PAIRS = 128  # kernels/common.py's: split-K only for decode batches
 MIN_BLOCK_M = 16
 A8W4_SPLIT_BELOW_PROGRAMS = 128  # a8w4 at T = 1: split GEMM1's K below this many programs
+FILL_PROGRAMS = 160  # bf16 / fp8 decode: GEMM1's K split doubles while its programs stay within this many
+FILL_MAX_SPLIT = 4
 # A tuned row serves T up to this factor away from its bucket; further out the heuristic, which follows the rows per
 # expert, runs: the H100 table's one qwen3 a8w4 row (T = 1, 16-row tiles) took 3.0x the heuristic's time at T = 8192
 # (2026-12-06, docs/perf/a8w4-128-row-tune-h100-2026-12-06-trials.csv). The shipped tables step by 4x, so every T
@@ -201,7 +203,7 @@ def heuristic(scheme: str, hidden: int, inter: int, num_experts: int, top_k: int
         # From 17 rows per expert on, 64-row tiles with 8 warps: on an H200 (2026-12-02) the 32-row
         # 4-warp tile ran 2.0-2.7x slower at 18-32 rows (GLM-5.2 T=512, DeepSeek-V4.1-Flash T=2048)
         if bm <= 16:
-            return TileConfig(bm, 256, 128, 4, 4, 128, 128, 4, 4)
+            return _fill(TileConfig(bm, 256, 128, 4, 4, 128, 128, 4, 4), hidden, inter, num_experts, top_k, tokens)
         return TileConfig(64, 256, 128, 8, 3, 128, 128, 8, 3)
     if scheme == "bf16" and tokens >= 2048 and 16 < rows <= 128:
         # On an H200 (2026-12-05, `atom-moe tune --configs`) 128 x 256 tiles with 4 stages beat the configs run
@@ -209,11 +211,29 @@ def heuristic(scheme: str, hidden: int, inter: int, num_experts: int, top_k: int
         # expert, seven shapes; where a 64-row 8-warp tile won, it was by 2 % at most (docs/perf/kernels-h200.md)
         return TileConfig(128, 256, 64, 8, 4, 256, 64, 8, 4)
     if bm == 16 and scheme == "bf16":
-        return TileConfig(16, 128, 128, 4, 3, 128, 128, 4, 3)
+        return _fill(TileConfig(16, 128, 128, 4, 3, 128, 128, 4, 3), hidden, inter, num_experts, top_k, tokens)
     if bm <= 64:  # a16w4 at 16 rows too: on an H200 (2026-12-04) its 128-k step was 1-13 % slower than this 64-k
         # one at T = 1-512 on kimi-k2, glm-4.5, qwen3 and deepseek-v3 (docs/perf/a16w4-rotation-h200.md)
         return TileConfig(bm, 128, 64, 4, 4, 128, 64, 4, 4)
     return TileConfig(128, 256, 64, 8, 3, 256, 64, 8, 3)
+
+
+def _fill(cfg: TileConfig, hidden: int, inter: int, num_experts: int, top_k: int, tokens: int) -> TileConfig:
+    """cfg with GEMM1's K split at T = 1, so the top_k experts' few GEMM1 programs fill more SMs: the split doubles,
+    up to FILL_MAX_SPLIT, while programs x split stays within FILL_PROGRAMS and each slice keeps two K steps. The
+    seed shapes run 18-72 programs at T = 1 (GLM-5.2-TP8 fp8: 9 experts x 2 tiles); on an H200 the tuner's split
+    sweep picked 4 for 18-36 programs, 2 for 54 and none for 96-128 (kernels/configs/nvidia_h200.csv,
+    docs/perf/split-k-h200.md), which this rule reproduces. On an H100 it took 0.74-1.00 of the unsplit time on
+    the seven seed keys it changes (docs/perf/split-fill-h100.md); at T = 4 (GLM-5.2-TP8 fp8, 72 programs, split 2)
+    1 % more, so it stays a T = 1 rule."""
+    if tokens != 1:
+        return cfg
+    programs = min(num_experts, top_k) * -(-2 * inter // cfg.block_n1)
+    steps = -(-hidden // cfg.block_k1)
+    split = 1
+    while split < FILL_MAX_SPLIT and programs * split * 2 <= FILL_PROGRAMS and steps >= 4 * split:
+        split *= 2
+    return replace(cfg, split_k1=split)
 
 
 def lookup(device: str, scheme: str, hidden: int, inter: int, num_experts: int, top_k: int,

@@ -121,7 +121,30 @@ def test_a8w4_heuristic_steps_gemm1_by_128_and_splits_it_at_one_token_where_prog
     # H of one 128-k step has nothing to split: unsplit
     narrow = tuning.heuristic("a8w4", 128, 64, 8, 2, 1)
     assert (narrow.block_k1, narrow.split_k1) == (128, 1)
-    assert tuning.heuristic("fp8", 6144, 256, 257, 9, 1).split_k1 == 1  # the rule is a8w4's alone
+
+
+def test_bf16_and_fp8_heuristics_split_gemm1_where_a_decode_batch_has_few_programs():
+    """kernels/tuning.py `_fill`, at T = 1: the split doubles, up to 4, while GEMM1's programs (top_k experts x
+    2I / block_n1) times the split stay within 160, each slice keeping two K steps."""
+    cases = {  # (scheme, H, I, E, k, T): split. fp8 tiles are 256 wide, bf16 ones 128
+        ("fp8", 6144, 256, 257, 9, 1): 4,  # 9 experts x 2 tiles = 18 programs
+        ("fp8", 6144, 256, 257, 9, 4): 1,  # 36 experts x 2 = 72 programs, but T > 1: a T = 1 rule
+        ("fp8", 5120, 1152, 384, 6, 1): 2,  # 6 x 9 = 54
+        ("fp8", 4096, 1536, 128, 8, 1): 1,  # 8 x 12 = 96: the H200 split sweep found no gain here
+        ("bf16", 6144, 256, 257, 9, 1): 4,  # 9 x 4 = 36
+        ("bf16", 6144, 512, 257, 9, 1): 2,  # 9 x 8 = 72
+        ("bf16", 5120, 1152, 384, 6, 1): 1,  # 6 x 18 = 108
+        ("bf16", 7168, 2048, 256, 8, 1): 1,  # 8 x 32 = 256
+        ("fp8", 256, 256, 257, 9, 1): 1,  # 2 K steps: a slice would keep one
+        ("fp8", 512, 256, 257, 9, 1): 2,  # 4 K steps: two slices of two, not four of one
+        ("fp8", 1024, 256, 257, 9, 1): 4,
+    }
+    for (scheme, H, I, E, k, T), split in cases.items():
+        cfg = tuning.heuristic(scheme, H, I, E, k, T)
+        assert cfg.split_k1 == split, (scheme, H, I, E, k, T, cfg)
+        assert cfg.split_k2 == 1
+        cfg.check(scheme)
+    assert tuning.heuristic("a16w4", 6144, 256, 257, 9, 1).split_k1 == 1  # MXFP4 keeps its own tiles
 
 
 def test_a8w4_heuristic_block_m_follows_its_own_row_thresholds():
