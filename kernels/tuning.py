@@ -99,8 +99,8 @@ MIN_MAXNREG, MAX_MAXNREG = 64, 255  # the floor keeps a typo from building a spi
 MAX_SPLIT_K = 8  # kernels/common.py's bound (no triton import here)
 SPLIT_MAX_PAIRS = 128  # kernels/common.py's: split-K only for decode batches
 MIN_BLOCK_M = 16
-A8W4_SPLIT_BELOW_PROGRAMS = 128  # a8w4 at T = 1: split GEMM1's K below this many programs
-FILL_PROGRAMS = 160  # bf16 / fp8 decode: GEMM1's K split doubles while its programs stay within this many
+FILL_PROGRAMS = 160  # bf16 / fp8 at T = 1: GEMM1's K split doubles while its programs stay within this many
+A8W4_FILL_PROGRAMS = 300  # ... and a8w4's
 FILL_MAX_SPLIT = 4
 # A tuned row serves T up to this factor away from its bucket; further out the heuristic, which follows the rows per
 # expert, runs: the H100 table's one qwen3 a8w4 row (T = 1, 16-row tiles) took 3.0x the heuristic's time at T = 8192
@@ -175,14 +175,13 @@ def heuristic(scheme: str, hidden: int, inter: int, num_experts: int, top_k: int
         # rows ran 1.2-1.6x slower at T = 1-512 on DeepSeek-V3). GEMM1 steps K by 128 from T = 2 on: on an H100
         # (2026-12-06, `atom-moe tune --configs`, six served shapes, T = 8-8192) the layer took 0.87-0.99 of
         # the 64-k step's time in 27 of 28 keys, 2 % more in one (docs/perf/a8w4-tiles-sass.md)
-        if tokens == 1:  # top_k pairs: few GEMM1 programs. A K split in two fills the SMs where there are
-            # fewer than 128 (GLM-5.2-TP8 36, DeepSeek-V4.1-Flash-TP4 60: 0.69-0.78 of the 64-k time); with
-            # 192-256 (four shapes) neither the split nor the 128-k step beat the 64-k step (within 3 %) while
-            # w13's residuals were in plain order. Paired (atom_moe/layouts/mx_quads.py), a 64-k step loads them
-            # in halves: GEMM1 at 64-k took 1.04-1.20x its plain-order time (docs/perf/a8w4-resid-pairs-h200.md)
-            if top_k * -(-2 * inter // 128) < A8W4_SPLIT_BELOW_PROGRAMS and hidden > 128:  # two K steps at least
-                return TileConfig(16, 128, 128, 4, 4, 64, 64, 4, 4, split_k1=2)
-            return TileConfig(16, 128, 128, 4, 4, 64, 64, 4, 4)
+        if tokens == 1:  # top_k pairs: few GEMM1 programs, split as bf16 / fp8's are but to more of them (a8w4's
+            # lighter programs, 84 registers against fp8's 178, fit more per SM): on an H100 (2026-12-07, `atom-moe
+            # tune --space split`, docs/perf/split-fill-h100.md) split 4 took 0.92-0.93 of split 2's time at 36-72
+            # programs (GLM-5.2-TP8 / TP4, V4.1-Flash-TP4), 2 was best at 108 (V4.1-Flash-TP2), none at 192
+            # (GLM-4.5); the 64-k step lost to this 128-k one at T = 1 too (gpt-oss, 1.10x)
+            return _fill(TileConfig(16, 128, 128, 4, 4, 64, 64, 4, 4), hidden, inter, num_experts, top_k, tokens,
+                         A8W4_FILL_PROGRAMS)
         # BLOCK_M by its own thresholds, GEMM2 128 wide with 4 warps at 64 rows: on an H200 (2026-12-06, `atom-moe
         # tune --configs`, eight served shapes x T = 1-8192, docs/perf/tune-h200-a8w4-2026-12-06.md) 32-row tiles
         # won all five keys with 8 < rows < 32 (16 rows took 1.21-1.34x), 64 rows with that GEMM2 all 17 keys
@@ -218,9 +217,10 @@ def heuristic(scheme: str, hidden: int, inter: int, num_experts: int, top_k: int
     return TileConfig(128, 256, 64, 8, 3, 256, 64, 8, 3)
 
 
-def _fill(cfg: TileConfig, hidden: int, inter: int, num_experts: int, top_k: int, tokens: int) -> TileConfig:
+def _fill(cfg: TileConfig, hidden: int, inter: int, num_experts: int, top_k: int, tokens: int,
+          limit: int = FILL_PROGRAMS) -> TileConfig:
     """cfg with GEMM1's K split at T = 1, so the top_k experts' few GEMM1 programs fill more SMs: the split doubles,
-    up to FILL_MAX_SPLIT, while programs x split stays within FILL_PROGRAMS and each slice keeps two K steps. The
+    up to FILL_MAX_SPLIT, while programs x split stays within `limit` and each slice keeps a K step. The
     seed shapes run 18-72 programs at T = 1 (GLM-5.2-TP8 fp8: 9 experts x 2 tiles); on an H200 the tuner's split
     sweep picked 4 for 18-36 programs, 2 for 54 and none for 96-128 (kernels/configs/nvidia_h200.csv,
     docs/perf/split-k-h200.md), which this rule reproduces. On an H100 it took 0.74-1.00 of the unsplit time on
@@ -231,7 +231,7 @@ def _fill(cfg: TileConfig, hidden: int, inter: int, num_experts: int, top_k: int
     programs = min(num_experts, top_k) * -(-2 * inter // cfg.block_n1)
     steps = -(-hidden // cfg.block_k1)
     split = 1
-    while split < FILL_MAX_SPLIT and programs * split * 2 <= FILL_PROGRAMS and steps >= 4 * split:
+    while split < FILL_MAX_SPLIT and programs * split * 2 <= limit and steps >= 2 * split:
         split *= 2
     return replace(cfg, split_k1=split)
 

@@ -97,25 +97,27 @@ def test_bf16_heuristic_takes_128x256_tiles_at_large_batches_of_17_to_128_rows_p
 
 
 def test_a8w4_heuristic_steps_gemm1_by_128_and_splits_it_at_one_token_where_programs_are_few():
-    """The H100-measured rule (kernels/tuning.py, docs/perf/a8w4-tiles-sass.md, a8w4-resid-pairs-h200.md): GEMM1's
-    128-k step at every T; at T = 1 a K split in two below 128 GEMM1 programs (top_k * 2I / 128), else unsplit."""
+    """The H100-measured rule (kernels/tuning.py, docs/perf/a8w4-tiles-sass.md, split-fill-h100.md): GEMM1's 128-k
+    step at every T; at T = 1 the split doubles, up to 4, while GEMM1's programs (top_k * 2I / 128) times it stay
+    within 300."""
     for T in (2, 8, 128, 512, 2048, 8192):
         for H, I, E, k in ((7168, 2048, 256, 8), (6144, 256, 257, 9), (5120, 640, 384, 6)):
             cfg = tuning.heuristic("a8w4", H, I, E, k, T)
             assert (cfg.block_k1, cfg.split_k1, cfg.block_k2) == (128, 1, 64), (H, I, T)
             cfg.check("a8w4")
     one = {name: tuning.heuristic("a8w4", H, I, E, k, 1) for name, (H, I, E, k) in {
-        "glm-5.2-tp8": (6144, 256, 257, 9),  # 9 * 4 = 36 programs
-        "v4.1-flash-tp4": (5120, 640, 384, 6),  # 6 * 10 = 60
-        "edge": (4096, 960, 128, 8),  # 8 * 15 = 120
+        "glm-5.2-tp8": (6144, 256, 257, 9),  # 9 * 4 = 36 programs: 4
+        "v4.1-flash-tp4": (5120, 640, 384, 6),  # 6 * 10 = 60: 4
+        "glm-5.2-tp4": (6144, 512, 257, 9),  # 72: 4 (72 * 4 = 288)
+        "v4.1-flash-tp2": (5120, 1152, 384, 6),  # 108: 2 (4 would be 432 in all)
+        "edge": (4096, 1200, 128, 8),  # 8 * 19 = 152 (304 split in two): unsplit
         "deepseek-v3": (7168, 2048, 256, 8),  # 8 * 32 = 256
-        "above": (4096, 1024, 128, 8),  # 8 * 16 = 128: not below
         "qwen3": (4096, 1536, 128, 8),  # 192
     }.items()}
-    for name in ("glm-5.2-tp8", "v4.1-flash-tp4", "edge"):
-        assert (one[name].block_k1, one[name].split_k1) == (128, 2), name
-    for name in ("deepseek-v3", "above", "qwen3"):  # w13's residuals are paired: a 64-k step loads halves
-        assert (one[name].block_k1, one[name].split_k1) == (128, 1), name
+    want = {"glm-5.2-tp8": 4, "v4.1-flash-tp4": 4, "glm-5.2-tp4": 4, "v4.1-flash-tp2": 2, "edge": 1,
+            "deepseek-v3": 1, "qwen3": 1}
+    for name, split in want.items():  # w13's residuals are paired: a 64-k step loads halves, so 128-k everywhere
+        assert (one[name].block_k1, one[name].split_k1, one[name].split_k2) == (128, split, 1), name
     for cfg in one.values():
         cfg.check("a8w4")
     # H of one 128-k step has nothing to split: unsplit
@@ -125,7 +127,7 @@ def test_a8w4_heuristic_steps_gemm1_by_128_and_splits_it_at_one_token_where_prog
 
 def test_bf16_and_fp8_heuristics_split_gemm1_where_a_decode_batch_has_few_programs():
     """kernels/tuning.py `_fill`, at T = 1: the split doubles, up to 4, while GEMM1's programs (top_k experts x
-    2I / block_n1) times the split stay within 160, each slice keeping two K steps."""
+    2I / block_n1) times the split stay within 160, each slice keeping a K step."""
     cases = {  # (scheme, H, I, E, k, T): split. fp8 tiles are 256 wide, bf16 ones 128
         ("fp8", 6144, 256, 257, 9, 1): 4,  # 9 experts x 2 tiles = 18 programs
         ("fp8", 6144, 256, 257, 9, 4): 1,  # 36 experts x 2 = 72 programs, but T > 1: a T = 1 rule
@@ -135,9 +137,9 @@ def test_bf16_and_fp8_heuristics_split_gemm1_where_a_decode_batch_has_few_progra
         ("bf16", 6144, 512, 257, 9, 1): 2,  # 9 x 8 = 72
         ("bf16", 5120, 1152, 384, 6, 1): 1,  # 6 x 18 = 108
         ("bf16", 7168, 2048, 256, 8, 1): 1,  # 8 x 32 = 256
-        ("fp8", 256, 256, 257, 9, 1): 1,  # 2 K steps: a slice would keep one
-        ("fp8", 512, 256, 257, 9, 1): 2,  # 4 K steps: two slices of two, not four of one
-        ("fp8", 1024, 256, 257, 9, 1): 4,
+        ("fp8", 128, 256, 257, 9, 1): 1,  # one K step: nothing to split
+        ("fp8", 256, 256, 257, 9, 1): 2,  # 2 K steps: two slices of one, not four with two empty
+        ("fp8", 512, 256, 257, 9, 1): 4,
     }
     for (scheme, H, I, E, k, T), split in cases.items():
         cfg = tuning.heuristic(scheme, H, I, E, k, T)
