@@ -228,18 +228,18 @@ def served_configs(scheme: str, specs) -> list[tuning.TileConfig]:
 
 
 def _exercise_served(g: torch.Generator) -> None:
-    """The served presets (atom_moe.presets.SERVED) in their schemes, at H = 256, I = 64: the kernels specialize
+    """The served presets (atom_moe.presets.SERVED) in their schemes, at H = 512, I = 64: the kernels specialize
     on their E (257 with a fused shared slot, 384: 512 histogram bins), top-k (9, 6) and tiles, not on H and I
-    beyond their divisibility by 16, which these share (T = 1's GEMM1 also on H in 128-groups: 2 here;
-    scripts/hip_compile.py builds the real ones). H spans two 128-k steps, so a pick that splits GEMM1's K in
-    two (a8w4 at T = 1, kernels/tuning.py) launches as it does on the real shape. Every heuristic pick for
+    beyond their divisibility by 16, which these share (T = 1's GEMM1 also on H in 128-groups: 4 here;
+    scripts/hip_compile.py builds the real ones). H spans four 128-k steps, so a pick that splits GEMM1's K up to
+    four ways (T = 1, kernels/tuning.py `_fill`) launches as it does on the real shape. Every heuristic pick for
     their real shapes with both combines, the one- and two-launch routing sort and T = 1's pair blocks, and the
     symm transport at EP 2 once per geometry."""
     from atom_moe.experts import fused_experts
     from atom_moe.presets import PRESETS, SERVED
     from atom_moe.tools.synthetic import random_layer, random_tokens
     from atom_moe.weights import prepare_stacked
-    H, I, T = 256, 64, 16
+    H, I, T = 512, 64, 16
     served = [PRESETS[name] for name in SERVED]
     for E, K, S in sorted({(s.num_experts, s.top_k, s.shared_experts) for s in served}):
         same = [s for s in served if (s.num_experts, s.top_k, s.shared_experts) == (E, K, S)]

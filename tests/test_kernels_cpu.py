@@ -196,10 +196,12 @@ def test_small_calls_stay_one_routing_launch(seed, monkeypatch):
     spec, p = make_layer(160, 96, 4, 2, "bf16", device=DEVICE)
     ws = allocate_workspace(spec, 8, DEVICE)
     monkeypatch.delenv("ATOM_MOE_PAIR_BLOCKS", raising=False)
-    assert [launch.stage for launch in _launches(spec, p, 1, workspace=ws)] == ["gemm1", "gemm2"]
+    one = ["gemm1", "gemm1"]  # T = 1's heuristic splits GEMM1's K here (4 programs, kernels/tuning.py `_fill`)
+    assert heuristic("bf16", 160, 96, 4, 2, 1).split_k1 == 2 and heuristic("bf16", 160, 96, 4, 2, 8).split_k1 == 1
+    assert [launch.stage for launch in _launches(spec, p, 1, workspace=ws)] == [*one, "gemm2"]
     assert [launch.stage for launch in _launches(spec, p, 8, workspace=ws)] == ["routing", "gemm1", "gemm2"]
     monkeypatch.setenv("ATOM_MOE_PAIR_BLOCKS", "0")
-    assert [launch.stage for launch in _launches(spec, p, 1, workspace=ws)] == ["routing", "gemm1", "gemm2"]
+    assert [launch.stage for launch in _launches(spec, p, 1, workspace=ws)] == ["routing", *one, "gemm2"]
 
 
 def test_split_routing_needs_room(monkeypatch):
