@@ -222,8 +222,9 @@ def _fill(cfg: TileConfig, hidden: int, inter: int, num_experts: int, top_k: int
     """cfg with GEMM1's K split at T = 1, so the top_k experts' few GEMM1 programs fill more SMs: the split doubles,
     up to FILL_MAX_SPLIT, while programs x split stays within `limit` and each slice keeps a K step. The
     seed shapes run 18-72 programs at T = 1 (GLM-5.2-TP8 fp8: 9 experts x 2 tiles); on an H200 the tuner's split
-    sweep picked 4 for 18-36 programs, 2 for 54 and none for 96-128 (kernels/configs/nvidia_h200.csv,
-    docs/perf/split-k-h200.md), which this rule reproduces. On an H100 it took 0.74-1.00 of the unsplit time on
+    sweep picked 4 for 18-36 programs and 2 for 54 (kernels/configs/nvidia_h200.csv); at 96 (Qwen3) no split won,
+    and at 128 (DeepSeek-V3) its split-2 pick lost to the unsplit row in the bench (docs/perf/split-k-h200.md).
+    This rule makes the same choices. On an H100 it took 0.74-1.00 of the unsplit time on
     the seven seed keys it changes (docs/perf/split-fill-h100.md); at T = 4 (GLM-5.2-TP8 fp8, 72 programs, split 2)
     1 % more, so it stays a T = 1 rule."""
     if tokens != 1:
