@@ -9,7 +9,7 @@ only what the baselines read (about 1 MB; listed in the folder's SOURCE file):
 
   vllm/model_executor/layers/fused_moe/fused_moe.py   fused_moe_kernel, its launcher, default config
   vllm/model_executor/layers/fused_moe/utils.py       enable_swap_ab, resolve_moe_use_td
-  vllm/model_executor/layers/fused_moe/configs/*device_name=NVIDIA_H200*.json   the tuned tables
+  vllm/model_executor/layers/fused_moe/configs/*device_name=NVIDIA_H{100,200}*.json   the tuned Hopper tables
   vllm/third_party/triton_kernels/**.py   the triton_kernels copy vLLM runs for MXFP4 on Hopper
                                            (scripts/tk_baseline.py: PYTHONPATH=<folder>/vllm/third_party)
   vllm-0.33.0.dist-info/licenses/LICENSE
@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 FUSED = "vllm/model_executor/layers/fused_moe/"
 WANTED = (FUSED + "fused_moe.py", FUSED + "utils.py")
 TRITON_KERNELS = "vllm/third_party/triton_kernels/"
+TUNED_DEVICES = ("NVIDIA_H200", "NVIDIA_H100")  # vLLM's tuned tables for the GPUs the device tool lends
 
 
 def wanted(name: str, version: str) -> bool:
@@ -41,7 +42,8 @@ def wanted(name: str, version: str) -> bool:
         return True
     if name.startswith(TRITON_KERNELS):
         return name.endswith(".py")
-    return name.startswith(FUSED + "configs/") and "device_name=NVIDIA_H200" in name and name.endswith(".json")
+    return name.startswith(FUSED + "configs/") and name.endswith(".json") and any(
+        f"device_name={d}" in name for d in TUNED_DEVICES)
 
 
 def download(version: str, cache: Path) -> Path:

@@ -138,6 +138,12 @@ def test_tuned_table_choice(vllm_src):
     name = vb.tuned_table(vllm_src / vb.FUSED_MOE / "configs", 256, 2048, None, None, "NVIDIA H200")[1]
     assert name.startswith("E=128,N=1024,device_name=NVIDIA_H200.json") and "nearest" in name
     assert vb.tuned_table(vllm_src / vb.FUSED_MOE / "configs", 256, 2048, None, None, "NVIDIA A100-SXM4-80GB") is None
+    # an H100 reads its own tables: gpt-oss-120b's bf16 key exactly, a DeepSeek-like fp8 key from the nearest N
+    h100 = "NVIDIA H100 80GB HBM3"
+    name = vb.tuned_table(vllm_src / vb.FUSED_MOE / "configs", 128, 2880, None, None, h100)[1]
+    assert name.startswith("E=128,N=2880,device_name=NVIDIA_H100_80GB_HBM3.json") and "exact key" in name
+    name = vb.tuned_table(vllm_src / vb.FUSED_MOE / "configs", 256, 256, "fp8_w8a8", [128, 128], h100)[1]
+    assert name.startswith("E=256,N=384,device_name=NVIDIA_H100_80GB_HBM3,dtype=fp8_w8a8,block_shape=[128,128].json")
 
 
 def test_missing_source_is_named(tmp_path):

@@ -19,7 +19,8 @@ compiled CUDA helpers, each with vLLM's contract:
 `VllmMoE.forward` is the sequence of vLLM's fused_experts_impl (per-call buffers, quant, expert
 assignment, GEMM1, activation, quant, GEMM2, moe_sum) with those pieces. Configs: `vllm` is
 get_default_config; `vllm-tuned` is the table vLLM ships for this (E, N = I, device, dtype) or,
-failing that, the nearest shipped H200 table of the same dtype (see `tuned_table`), indexed by the
+failing that, the nearest shipped table of the same device and dtype (see `tuned_table`; the fetched
+sources hold vLLM's H100 and H200 tables), indexed by the
 batch size nearest T, as vLLM does.
 """
 
