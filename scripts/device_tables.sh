@@ -7,7 +7,9 @@
 #   bash scripts/device_tables.sh mxfp4     # issue 19: a16w4 / a8w4, triton_kernels beside our a16w4, both routings
 # The same commands, run by hand on an H200 on 2026-12-05, took 7-8 minutes a part (docs/perf/kernels-h200.md).
 # `TK=0 ... mxfp4` ran on an H200 on 2026-12-06: nine shapes uniform (fp8, a16w4, a8w4) and skewed (fp8, a8w4) in
-# 297 s (docs/perf/mxfp4-h200.md); the kernels part has not run as this script yet.
+# 297 s (docs/perf/mxfp4-h200.md). On an H100 on 2026-12-07 the kernels part took 319 + 233 s over two calls
+# (five shapes, then four) and the mxfp4 part 460 s with triton_kernels cut by the deadline after three shapes
+# (docs/perf/tables-h100-2026-12-07.md).
 # SHAPES (default: the five presets and the four seed shapes), STEP_S (seconds per shape and step, default 60),
 # DEADLINE_S (no new shape starts after this many seconds, default 540: a device call ends at 600 s), TK=0 (mxfp4:
 # skip triton_kernels). Each shape's rows are merged into $OUT as soon as it ends, so a call cut short still returns
