@@ -4,6 +4,9 @@
 # Usage: bash scripts/ncu_profile.sh SHAPE "SCHEMES" "TOKENS" [uniform|skewed]   (outputs in $OUT)
 #        bash scripts/ncu_profile.sh --tk SHAPE "TOKENS" [uniform|skewed]
 #        bash scripts/ncu_profile.sh --source SHAPE "SCHEMES" "TOKENS" [uniform|skewed]
+#        bash scripts/ncu_profile.sh --vllm SHAPE "bf16 fp8" "TOKENS" [uniform|skewed]
+# --vllm also profiles vLLM 0.33's fused_moe (default config, and its tuned table where vLLM ships one for the
+# device) on the same inputs after ours, cases "<shape>/<scheme>/T<n>/vllm[-tuned]" (needs .cache/vllm-0.33.0).
 # --tk profiles triton_kernels' a16w4 layer and ours on the same inputs (scripts/tk_baseline.py --profile;
 # needs .cache/vllm-0.33.0 carried) and archives triton_kernels' compiled matmul kernels (cubin, ptx, ttgir)
 # in $OUT/tk-kernels.tgz for SASS reading on a CPU.
@@ -13,9 +16,10 @@
 set -uo pipefail
 out=${OUT:-/tmp/atom_moe_out}
 mkdir -p "$out"
-tk=0 source=0
+tk=0 source=0 peer=()
 [ "${1:-}" = "--tk" ] && { tk=1; shift; }
 [ "${1:-}" = "--source" ] && { source=1; shift; }
+[ "${1:-}" = "--vllm" ] && { peer=(--vllm-src "$PWD/.cache/vllm-0.33.0"); shift; }
 shape=${1:-deepseek-v3}
 if [ $tk = 1 ]; then
   tokens=${2:-"8 128"}; routing=${3:-uniform}; tag="$shape-tk"
@@ -24,7 +28,9 @@ if [ $tk = 1 ]; then
        --ceilings 4.54 795 1472)
 else
   schemes=${2:-"a16w4 a8w4"}; tokens=${3:-"1 128 2048"}; routing=${4:-uniform}; tag="$shape-${schemes// /_}"
-  cmd=(python3 scripts/ncu_layer.py --shape "$shape" --scheme $schemes --tokens $tokens --routing "$routing")
+  [ ${#peer[@]} -gt 0 ] && tag="$tag-vllm"
+  cmd=(python3 scripts/ncu_layer.py --shape "$shape" --scheme $schemes --tokens $tokens --routing "$routing"
+       "${peer[@]}")
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 || { tail -5 "$out/install.log"; exit 1; }
 ncu --version | tail -1

@@ -19,7 +19,7 @@ import re
 import sys
 from pathlib import Path
 
-CASE = re.compile(r"[\w.-]+/(bf16|fp8|a16w4|a8w4)/T\d+(/\w+)?")  # NVTX ranges of ncu_layer.py, tk_baseline.py --profile
+CASE = re.compile(r"[\w.-]+/(bf16|fp8|a16w4|a8w4)/T\d+(/[\w-]+)?")  # NVTX ranges of ncu_layer.py, tk_baseline.py --profile
 STALL = re.compile(r"smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio$")
 
 

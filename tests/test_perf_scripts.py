@@ -485,10 +485,13 @@ def test_ncu_summary_names_each_launch_by_its_nvtx_case():
              "dram__bytes_read.sum": "6000000", "smsp__inst_executed.sum": "1000", "launch__registers_per_thread": "128",
              "NVTX": "deepseek-v3/a16w4/T8/triton_kernels"},
             {"Kernel Name": "_gemm1_kernel(int)", "gpu__time_duration.sum": "1000", "NVTX": "glm-4.5/a8w4/T128"},
+            # ncu_layer.py --vllm-src: vLLM's launches of the case, with its tuned table
+            {"Kernel Name": "fused_moe_kernel(int)", "gpu__time_duration.sum": "1000", "NVTX": "kimi-k2/fp8/T8/vllm-tuned"},
             {"Kernel Name": ""}]
     out = ncu_summary.summarise(rows)
-    assert [r["case"] for r in out] == ["deepseek-v3/a16w4/T8/triton_kernels", "glm-4.5/a8w4/T128"]
-    assert [r["kernel"] for r in out] == ["matmul_ogs_NNT_bf16xbf16xmxfp4_16x256x128x1", "gemm1"]
+    assert [r["case"] for r in out] == ["deepseek-v3/a16w4/T8/triton_kernels", "glm-4.5/a8w4/T128",
+                                        "kimi-k2/fp8/T8/vllm-tuned"]
+    assert [r["kernel"] for r in out] == ["matmul_ogs_NNT_bf16xbf16xmxfp4_16x256x128x1", "gemm1", "fused_moe"]
     assert out[0]["us"] == 2.0 and out[0]["read_TBps"] == 3.0 and out[0]["regs"] == 128
     assert out[0]["inst_per_byte"] == round(1000 * 32 / 6e6, 2) and out[1]["read_TBps"] == 0
 
