@@ -6,7 +6,8 @@ input and, by default, for GEMM2's input (ATOM_MOE_A8W4_INTER); fp8 dots, see ke
 
 Three Triton launches per call at small T (two at T = 1: GEMM1 does the routing launch's work,
 kernels/routing.py `PairBlocks`; ATOM_MOE_PAIR_BLOCKS=0 keeps the routing launch; a config that splits GEMM1's K
-adds its second launch, as the heuristic does at T = 1 on shapes with few GEMM1 programs, kernels/tuning.py);
+adds its second launch, as the heuristic does at T = 1 on shapes with few GEMM1 programs, kernels/tuning.py;
+a8w4 adds its quant launch between the GEMMs, which also adds GEMM1's K slices where GEMM1 splits);
 larger T adds a separate combine
 (kernels/gemm2.py) and a second routing-sort launch (kernels/routing.py). No host sync,
 every buffer in a `Workspace` that the caller may allocate once (`allocate_workspace`) and
@@ -203,7 +204,7 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     (token, slot) pair is its own row block and GEMM1 does the routing launch's per-token work
     (kernels/routing.py `PairBlocks`); by default on for T = 1 with a local output and unquantized x, where no
     expert can take two pairs of distinct ids, unless ATOM_MOE_PAIR_BLOCKS=0 (`pair_blocks_flag`): two launches
-    (three where the config splits GEMM1's K).
+    (three where the config splits GEMM1's K; a8w4: three either way, its quant launch adding the K slices).
     """
     if spec.scheme not in SUPPORTED:
         raise ValueError(f"fused_experts supports schemes {[s.value for s in SUPPORTED]}, got {spec.scheme.value}")
@@ -270,24 +271,31 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
                                  sent=(remote.info, remote.capacity) if remote is not None else None,
                                  chunk_counts=ws.chunk_counts, pdl=pdl, row_scale=spec.scheme.x_per_token)
     act = spec.activation
+    oai, clamp = act.kind is ActivationKind.SWIGLU_OAI, act.kind is ActivationKind.SWIGLU_CLAMP
     # the workspace holds max_tokens rows; GEMM1 takes its pair count from x's rows, so pass T of them
     x1, x1_scale = (x, x_scale) if pre_quantized else (ws.x_q[:T], ws.x_scale[:T]) if fp8 else (x, None)
     # split-K is a decode-size setting: a row picked for a nearby bucket may meet a larger call (T=16
     # from the T=8 row), which then runs the same tiles unsplit (kernels/gemm1.py check_split)
     decode = T * k <= tuning.SPLIT_MAX_PAIRS
     split_k = cfg.split_k1 if decode else 1
+    finish = wide and split_k > 1  # one launch adds a8w4's K slices and quantizes (inter_quant.finish_rows)
+    owners = (topk_ids, weights.expert_map) if pairs is not None else None  # whose rows GEMM1 wrote, for the quant
     gemm1.gemm1(x1, x1_scale, weights.w13, weights.w13_scale, weights.w13_bias,
                 ws.sorted_ids, ws.block_expert, n_blocks, k, ws.inter_wide if wide else ws.inter,
                 None if wide else ws.inter_scale,
-                oai=act.kind is ActivationKind.SWIGLU_OAI, clamp=act.kind is ActivationKind.SWIGLU_CLAMP,
-                alpha=act.alpha, limit=act.limit,
+                oai=oai, clamp=clamp, alpha=act.alpha, limit=act.limit,
                 block_m=cfg.block_m, block_n=cfg.block_n1, block_k=cfg.block_k1,
                 num_warps=cfg.warps1, num_stages=cfg.stages1, group_m=cfg.group_m, mx_big=weights.mx_scale_max > 128,
                 w13_rowexp_t=weights.w13_rowexp, mx_flush=weights.mx_flush,
-                split_k=split_k, partial=ws.partial, maxnreg=cfg.maxnreg1, pairs=pairs, pdl=pdl, tma=tma)
-    if wide:
+                split_k=split_k, partial=ws.partial, maxnreg=cfg.maxnreg1, pairs=pairs, pdl=pdl, tma=tma,
+                slices_only=finish)
+    if finish:
+        inter_quant.finish_rows(ws.partial, split_k, weights.w13_rowexp, weights.w13_bias, ws.inter, ws.inter_scale,
+                                ws.sorted_ids, ws.block_expert, n_blocks, cfg.block_m, T * k, oai=oai, clamp=clamp,
+                                alpha=act.alpha, limit=act.limit, pairs=owners)
+    elif wide:
         inter_quant.quantize_rows(ws.inter_wide, ws.inter, ws.inter_scale, ws.sorted_ids, ws.block_expert, n_blocks,
-                                  cfg.block_m, T * k, (topk_ids, weights.expert_map) if pairs is not None else None)
+                                  cfg.block_m, T * k, owners)
     separate = remote is None and (combine == "separate" or (combine is None and T * k >= gemm2.SEPARATE_MIN_PAIRS))
     partial = gemm2.separate_partial(ws.partial, out) if separate else ws.partial
     split_k2 = cfg.split_k2 if decode and not separate and remote is None else 1

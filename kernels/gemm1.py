@@ -33,7 +33,7 @@ from atom_moe.spec import A8W4_INTER_GROUP
 
 from .common import (FP8_MAX, QGROUP, cast, check_split, e4m3_scale, interpreting, pdl_options, pdl_release, pdl_wait,
                      register_cap, scale_strides, swapped, tile_desc)
-from .mainloop import k_loop, tile_expert, tile_finish, tile_rows, tile_start
+from .mainloop import gated_act, k_loop, tile_expert, tile_finish, tile_rows, tile_start
 from .mxfp4 import launch_args, rowexp_arg, scaled_dot
 from .routing import PairBlocks, local_slots, quant_row, row_scale, zero_counters, zero_row
 
@@ -128,18 +128,9 @@ def _gemm1_kernel(x_ptr, stride_x, xs_ptr, stride_xs, stride_xs_k, w_ptr, ws_ptr
             tl.store(p_ptrs + tl.program_id(1) * slab, acc, mask=p_mask)
             return
     acc = tile_finish(acc, rowexp_ptr, bias_ptr, e64, n, n_ok, n_out, FP8, W4, HAS_BIAS, SWAP)
-    gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
-    if OAI or CLAMP:
-        # NaN must survive the clamp: min/clamp default to dropping it on GPUs (PTX min.f32)
-        gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
-        up = tl.clamp(up, -limit, limit, propagate_nan=tl.PropagateNan.ALL)
-    if OAI:
-        act = gate * tl.sigmoid(alpha * gate) * (up + 1.0)
-    else:
-        act = gate * tl.sigmoid(gate) * up
     j = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     j_ok = j < inter
-    act = tl.where(j_ok[None, :], act, 0.0)
+    act = gated_act(acc, alpha, limit, j_ok, OAI, CLAMP, BLOCK_M, BLOCK_N)
     rows64 = rows.to(tl.int64)
     o_mask = row_ok[:, None] & j_ok[None, :]
     o_ptrs = out_ptr + rows64[:, None] * inter + j[None, :]
@@ -187,7 +178,7 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
           group_m: int = 8, mx_big: bool = False, w13_rowexp_t: GateUpTensor | None = None,
           mx_flush: bool = False, clamp: bool = False, split_k: int = 1,
           partial: torch.Tensor | None = None, maxnreg: int = 0, pairs: PairBlocks | None = None,
-          pdl: bool = False, tma: bool = False) -> None:
+          pdl: bool = False, tma: bool = False, slices_only: bool = False) -> None:
     """out[row, :I] = act(x[token(row)] @ w13[expert(row)]^T (+bias)), fp8-quantized when out_scale is given.
 
     act: silu(gate) * up; with clamp (DeepSeek-V4) gate <= limit and |up| <= limit first; with oai
@@ -206,6 +197,8 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
     pdl: programmatic dependent launch (kernels/common.py `pdl`): the launch waits on the routing launch
     before it (not with pairs: its predecessor is not ours) and releases the next (GEMM2, or split-K's
     second launch) at its start.
+    slices_only: with split_k > 1, the first launch alone: `partial` then holds the K slices and `out` is unwritten
+    (a8w4 with a bf16 out: kernels/inter_quant.py `finish_rows` adds, activates and quantizes them in one launch).
     tma: bf16 / fp8 weight tiles through a TMA descriptor (kernels/common.py `tma`) where TMA can address
     w13 (else, and for MXFP4, per-thread loads); token rows are gathered, so x is always read per thread.
     """
@@ -253,6 +246,10 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
     if block_n % 2:
         raise ValueError(f"GEMM1 block_n must be even (gate/up pairs), got {block_n}")
     split = check_split("GEMM1", split_k, num_tokens * top_k, 2 * inter, hidden, block_k, partial)
+    if slices_only and (split == 1 or not wide):
+        raise ValueError(f"GEMM1 slices_only leaves the slice sum to inter_quant.finish_rows: it needs split_k > 1 "
+                         f"and a8w4 with a bf16 out, got split_k={split_k}"
+                         f"{'' if wide else ' and a scheme or output other than that'}")
     if pairs is not None:
         _check_pairs(pairs, num_tokens, top_k, hidden, n_blocks)
         if fp8 and not w4 and (x.stride(0) != hidden or not x_scale.is_contiguous()):
@@ -280,7 +277,8 @@ def gemm1(x: torch.Tensor, x_scale: torch.Tensor | None, w13_t: GateUpTensor, w1
                 num_warps=num_warps, num_stages=num_stages,
                 **register_cap(maxnreg))
     first = pdl and pairs is None  # the routing launch came just before
-    phases = [(0, (tiles,))] if split == 1 else [(1, (tiles, split)), (2, (tiles,))]
+    phases = [(0, (tiles,))] if split == 1 else [(1, (tiles, split))] if slices_only else \
+        [(1, (tiles, split)), (2, (tiles,))]
     for phase, grid in phases:
         wait = first if phase < 2 else pdl
         _gemm1_kernel[grid](*args, PHASE=phase, PDL_WAIT=wait, PDL_RELEASE=pdl, **meta, **pdl_options(wait))

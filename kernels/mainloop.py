@@ -236,3 +236,21 @@ def tile_finish(acc, rowexp_ptr, bias_ptr, e64, n, n_ok, n_total, FP8: tl.conste
     if HAS_BIAS:
         acc += tl.load(bias_ptr + e64 * n_total + n, mask=n_ok, other=0.0)[None, :]
     return acc
+
+
+@triton.jit
+def gated_act(acc, alpha, limit, j_ok, OAI: tl.constexpr, CLAMP: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """GEMM1's activation on tile_finish's [BLOCK_M, BLOCK_N] (gate and up interleaved): [BLOCK_M, BLOCK_N // 2],
+    zero in the columns j_ok leaves out. The clamped kinds clamp gate <= limit and |up| <= limit first; oai is
+    gpt-oss's gate * sigmoid(alpha * gate) * (up + 1), else silu(gate) * up."""
+    gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
+    if OAI or CLAMP:
+        # NaN must survive the clamp: min/clamp default to dropping it on GPUs (PTX min.f32)
+        gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+        up = tl.clamp(up, -limit, limit, propagate_nan=tl.PropagateNan.ALL)
+    if OAI:
+        act = gate * tl.sigmoid(alpha * gate) * (up + 1.0)
+    else:
+        act = gate * tl.sigmoid(gate) * up
+    return tl.where(j_ok[None, :], act, 0.0)

@@ -56,7 +56,7 @@ FILL_BLOCKS = 64  # row blocks whose padding and block_expert one launch-B progr
 class PairBlocks:
     """A call routed without the sort: row block b is (token, slot) pair b alone, and GEMM1 does the
     routing launch's per-token work (kernels/gemm1.py `token_duties`). Meant for where no expert takes
-    two pairs, as at T = 1: the layer is then two launches, three where GEMM1 splits K (atom_moe.experts:
+    two pairs, as at T = 1: the layer is then two launches, three where GEMM1 splits K or for a8w4 (atom_moe.experts:
     ATOM_MOE_PAIR_BLOCKS)."""
 
     topk_ids: torch.Tensor  # [T, k]

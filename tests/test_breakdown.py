@@ -97,6 +97,13 @@ def test_kernel_terms_with_the_inter_quant_launch():
     assert terms["inter_quant"].flops == 0
     assert terms["gemm2"].bytes_by_term == {**EXPECTED["a8w4"]["gemm2"], "inter scales read": 6 * 4}
     assert terms["routing"] == group["routing"] and terms["gemm1"].flops == group["gemm1"].flops
+    # GEMM1 split 3 ways: its fp32 K slices of the pre-activation (2I = 384 wide) go to the quant launch instead
+    split = kernel_terms("a8w4", H, I, T, K, HIT, inter_quant=True, slices=3)
+    unsplit = {t: b for t, b in terms["gemm1"].bytes_by_term.items() if t != "inter write"}
+    assert split["gemm1"].bytes_by_term == {**unsplit, "K slices write": 3 * 6 * 384 * 4}
+    assert split["inter_quant"].bytes_by_term == {"K slices read": 3 * 6 * 384 * 4, "inter_q write": 6 * 192,
+                                                  "inter scales write": 6 * 4}
+    assert split["gemm2"] == terms["gemm2"]
 
 
 def test_kernel_terms_scale_with_hits_and_tokens():

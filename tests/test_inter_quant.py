@@ -14,10 +14,12 @@ from kernel_cases import make_layer, make_routing, poison, reference, rel_err  #
 from atom_moe import formats  # noqa: E402
 from atom_moe.experts import allocate_workspace, fused_experts  # noqa: E402
 from atom_moe.experts_torch import experts_torch  # noqa: E402
-from atom_moe.kernels import inter_quant  # noqa: E402
+from atom_moe.kernels import gemm1, inter_quant, routing  # noqa: E402
+from atom_moe.layouts.gate_up import GateUpLayout, GateUpTensor, LayoutError  # noqa: E402
 from atom_moe.kernels.tuning import TileConfig  # noqa: E402
 from atom_moe.reference import quant_dequant_activations  # noqa: E402
-from atom_moe.spec import A8W4_INTER_FLAG, Scheme, SpecError  # noqa: E402
+from atom_moe.spec import A8W4_INTER_FLAG, Activation, ActivationKind, Scheme, SpecError  # noqa: E402
+from atom_moe.tools.common import record_launches  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -103,8 +105,10 @@ def test_quantize_rows_refuses_bad_buffers():
     ids = torch.zeros(8, dtype=torch.int32)
     with pytest.raises(ValueError, match="dst_scale must be fp32 and group-major"):
         inter_quant.quantize_rows(src, dst, torch.zeros(8, 2), ids, ids, 2, 4, 8)  # row-major
-    with pytest.raises(ValueError, match="src must be bf16 and dst e4m3"):
+    with pytest.raises(ValueError, match="src must be bf16 with contiguous rows"):
         inter_quant.quantize_rows(src.float(), dst, torch.zeros(1, 8).t(), ids, ids, 2, 4, 8)
+    with pytest.raises(ValueError, match=r"dst must be e4m3 \[rows, 64\]"):
+        inter_quant.quantize_rows(src, dst.float(), torch.zeros(1, 8).t(), ids, ids, 2, 4, 8)
     with pytest.raises(ValueError, match="12 rows to quantize, the buffers hold 8"):
         inter_quant.quantize_rows(src, dst, torch.zeros(1, 8).t(), ids, ids, 3, 4, 8)
 
@@ -150,3 +154,74 @@ def test_workspace_remembers_the_flag(monkeypatch, seed):
     monkeypatch.setenv(A8W4_INTER_FLAG, "token")
     with pytest.raises(ValueError, match="allocated with ATOM_MOE_A8W4_INTER=group, now it is token"):
         fused_experts(x, w, ids, p, spec, workspace=ws)
+
+
+# ---------------------------------------------------------------- finish_rows: GEMM1's slice sum and the quant in one
+FINISH_CASES = [  # H, I, E, k, T, activation, bias, split, pair blocks; K steps of 64: H 320 is 5, H 256 is 4
+    (320, 96, 6, 3, 1, "oai", True, 3, True),  # slices of 2, 2, 1 steps; gpt-oss's activation with biases
+    (256, 224, 5, 2, 1, "clamp", False, 2, True),  # I = 224: the row's masked tail; V4's clamped SiLU
+    (320, 160, 6, 3, 6, "silu", True, 4, False),  # the routing launch's sorted rows, with padding rows
+    (256, 64, 4, 2, 3, "silu", False, 4, False),  # a slice per K step
+]
+ACTIVATIONS = {"silu": Activation(), "oai": Activation(ActivationKind.SWIGLU_OAI, alpha=1.702, limit=7.0),
+               "clamp": Activation(ActivationKind.SWIGLU_CLAMP, limit=10.0)}
+
+
+@pytest.mark.parametrize("case", FINISH_CASES, ids=lambda c: "-".join(str(v) for v in c))
+def test_finish_rows_writes_what_gemm1s_second_launch_and_quantize_rows_write(monkeypatch, seed, case):
+    """The layer at a split GEMM1 runs GEMM1's first launch and finish_rows; the two launches finish_rows replaces
+    (GEMM1's second, then quantize_rows), run here on the same routing, must give the same bytes, every row."""
+    H, I, E, k, T, kind, bias, split, pairs = case
+    monkeypatch.setenv(A8W4_INTER_FLAG, "token")
+    spec, p = make_layer(H, I, E, k, "a8w4", bias=bias, activation=ACTIVATIONS[kind], gate_std=3.0, device=DEVICE)
+    w, ids = make_routing(T, E, k, device=DEVICE)
+    x = torch.randn(T, H, device=DEVICE).to(torch.bfloat16)
+    cfg = TileConfig(16, 128, 64, 4, 2, 64, 64, 4, 2, split_k1=split)
+    ws = allocate_workspace(spec, T, DEVICE)
+    poison(ws)
+    out = fused_experts(x, w, ids, p, spec, workspace=ws, config=cfg, pair_blocks=pairs)
+    launches = record_launches(lambda: fused_experts(x, w, ids, p, spec, workspace=ws, config=cfg, pair_blocks=pairs))
+    assert [launch.name for launch in launches if launch.stage != "routing"] == [
+        "_gemm1_kernel", "_finish_kernel", "_gemm2_kernel"]
+    n_blocks = T * k if pairs else routing.max_blocks(T * k, E, 16)
+    written = ws.inter.clone(), ws.inter_scale.clone()
+    # the two launches finish_rows replaces, on the routing the layer call left in the workspace
+    act = spec.activation
+    dst = torch.empty_like(ws.inter).view(torch.uint8).fill_(0xFF).view(F8)
+    dst_scale = torch.empty_like(ws.inter_scale.t()).t()  # group-major, as the workspace's
+    dst_scale.untyped_storage().fill_(0xFF)  # poison's bytes: rows neither path writes compare equal too
+    block_pairs = routing.PairBlocks(ids, p.expert_map, x, torch.empty_like(out), torch.empty_like(ws.counters),
+                                     ws.n_counters) if pairs else None
+    gemm1.gemm1(ws.x_q[:T], ws.x_scale[:T], p.w13, p.w13_scale, p.w13_bias, ws.sorted_ids,  # as the layer calls it
+                ws.block_expert, n_blocks, k, ws.inter_wide, None, oai=act.kind is ActivationKind.SWIGLU_OAI,
+                clamp=act.kind is ActivationKind.SWIGLU_CLAMP, alpha=act.alpha, limit=act.limit, block_m=16,
+                block_n=128, block_k=64, num_warps=4, num_stages=2, w13_rowexp_t=p.w13_rowexp,
+                mx_flush=p.mx_flush, split_k=split, partial=ws.partial, pairs=block_pairs)
+    inter_quant.quantize_rows(ws.inter_wide, dst, dst_scale, ws.sorted_ids, ws.block_expert, n_blocks, 16, T * k,
+                              (ids, p.expert_map) if pairs else None)
+    assert torch.equal(written[0].view(torch.uint8), dst.view(torch.uint8)), "e4m3 rows differ"
+    assert torch.equal(_bits(written[1][:, :1]), _bits(dst_scale[:, :1])), "row scales differ"
+    assert rel_err(out, experts_torch(x, w, ids, p, spec)) <= 1e-2
+
+
+def test_finish_rows_refuses_what_it_cannot_finish(monkeypatch, seed):
+    monkeypatch.setenv(A8W4_INTER_FLAG, "token")
+    spec, p = make_layer(256, 64, 4, 2, "a8w4", device=DEVICE)
+    ws = allocate_workspace(spec, 2, DEVICE)
+    args = (p.w13_rowexp, None, ws.inter, ws.inter_scale, ws.sorted_ids, ws.block_expert, 4, 16, 4)
+    kw = dict(oai=False, clamp=False, alpha=1.0, limit=7.0)
+    with pytest.raises(ValueError, match="split must be an int >= 2"):
+        inter_quant.finish_rows(ws.partial, 1, *args, **kw)
+    with pytest.raises(ValueError, match=r"part must be fp32 with split \* pairs \* 2I = 4096 elements"):
+        inter_quant.finish_rows(ws.partial[:1, :8], 8, *args, **kw)
+    with pytest.raises(ValueError, match="oai already clamps"):
+        inter_quant.finish_rows(ws.partial, 2, *args, oai=True, clamp=True, alpha=1.0, limit=7.0)
+    separated = GateUpTensor(p.w13_rowexp.data, GateUpLayout.SEPARATED, p.w13_rowexp.kind)
+    with pytest.raises(LayoutError, match="w13_rowexp"):  # gate and up rows must pair as GEMM1 reads them
+        inter_quant.finish_rows(ws.partial, 2, separated, *args[1:], **kw)
+    x = torch.randn(2, 256, device=DEVICE).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="slices_only .* needs split_k > 1"):
+        gemm1.gemm1(x, torch.ones(2, 2, device=DEVICE), p.w13, p.w13_scale, None, ws.sorted_ids, ws.block_expert, 4, 2,
+                    ws.inter_wide, None, oai=False, clamp=False, alpha=1.0, limit=7.0, block_m=16, block_n=128,
+                    block_k=64, num_warps=4, num_stages=2, w13_rowexp_t=p.w13_rowexp, split_k=1, partial=ws.partial,
+                    slices_only=True)

@@ -68,7 +68,8 @@ def test_one_token_is_two_launches_and_equals_the_sorted_path(seed, scheme, mode
     # shapes with few GEMM1 programs, as here for bf16, fp8 and a8w4: kernels/tuning.py `_fill`)
     gemm1 = ["gemm1"] * (2 if tuning.heuristic(scheme, H, I, E, K, 1).split_k1 > 1 else 1)
     assert len(gemm1) == (1 if scheme == "a16w4" else 2)
-    gemm1 += ["inter_quant"] if scheme == "a8w4" else []  # GEMM2's input per token: a launch quantizes GEMM1's rows
+    if scheme == "a8w4":  # GEMM2's input per token: a launch quantizes GEMM1's rows, adding its K slices first
+        gemm1 = ["gemm1", "inter_quant"]
     for _ in range(2):  # the second call finds the first call's counters: GEMM1 must zero them again
         ws = _poisoned(spec, 1)
         out = torch.full((1, H), float("nan"), device=DEVICE, dtype=torch.bfloat16)
@@ -100,8 +101,10 @@ def test_pair_blocks_with_split_k(seed, scheme):
     ws = _poisoned(spec, 1)
     out = torch.full((1, H), float("nan"), device=DEVICE, dtype=torch.bfloat16)
     launches = record_launches(lambda: fused_experts(x, w, ids, p, spec, workspace=ws, out=out, config=cfg))
-    quant = ["inter_quant"] if scheme == "a8w4" else []
-    assert [launch.stage for launch in launches] == ["gemm1", "gemm1", *quant, "gemm2"]
+    # a8w4: the quant launch adds the K slices itself (kernels/inter_quant.py finish_rows), GEMM1 is one launch
+    want = ["gemm1", "inter_quant"] if scheme == "a8w4" else ["gemm1", "gemm1"]
+    assert [launch.stage for launch in launches] == [*want, "gemm2"]
+    assert [launch.name for launch in launches][1] == ("_finish_kernel" if scheme == "a8w4" else "_gemm1_kernel")
     assert torch.equal(out, fused_experts(x, w, ids, p, spec, config=cfg, pair_blocks=False))
 
 

@@ -318,7 +318,7 @@ def test_every_launch_of_the_ops_builds_for_sm_90a():
     built = [line for line in run.stdout.splitlines() if line.startswith("sm_90a ") and line.endswith(" B")]
     assert {line.split()[1] for line in built} == {"_routing_kernel", "_gemm1_kernel", "_gemm2_kernel",
                                                    "_combine_kernel", "_dispatch_kernel", "_barrier_kernel",
-                                                   "_inter_quant_kernel"}
+                                                   "_inter_quant_kernel", "_finish_kernel"}
     for flag in ("FP8=True W4=True", "FP8=True W4=False", "FP8=False W4=True", "FP8=False W4=False"):
         assert any(flag in line for line in built if "_gemm1_kernel" in line), flag  # all four schemes
     assert all(int(line.split()[-2]) > 0 for line in built) and "FAILED" not in run.stdout
@@ -355,12 +355,15 @@ def test_every_launch_of_the_ops_builds_for_sm_90a():
         assert has("_gemm2_kernel", "TMA_A=False", "TMA_W=True", "PAIRS=True", *flag.split()), flag
         assert has("_gemm2_kernel", "TMA_A=True", "TMA_W=True", "REMOTE=True", *flag.split()), flag  # symm transport
     assert not any("TMA_W=True" in line and "W4=True" in line for line in built)
-    # a8w4 (one scale per token on GEMM2's input): GEMM1 stores bf16 (sorted rows, split-K's second launch, pair
-    # blocks), the quant launch in both row modes, GEMM2 with one accumulator; and with ATOM_MOE_A8W4_INTER=group
-    for phase in ("PHASE=0", "PHASE=2"):
+    # a8w4 (one scale per token on GEMM2's input): GEMM1 stores bf16 (sorted rows, pair blocks) or, split, its K
+    # slices alone (no second launch: the finish launch adds them and quantizes), the quant and finish launches in
+    # both row modes, GEMM2 with one accumulator; and with ATOM_MOE_A8W4_INTER=group
+    for phase in ("PHASE=0", "PHASE=1"):
         assert has("_gemm1_kernel", "FP8=True", "W4=True", "QOUT=False", phase), phase
+    assert not has("_gemm1_kernel", "FP8=True", "W4=True", "QOUT=False", "PHASE=2")
     assert has("_gemm1_kernel", "FP8=True", "W4=True", "QOUT=False", "PAIRS=True")
     assert has("_inter_quant_kernel", "PAIRS=True") and has("_inter_quant_kernel", "PAIRS=False")
+    assert has("_finish_kernel", "PAIRS=True") and has("_finish_kernel", "PAIRS=False")
     assert has("_gemm2_kernel", "FP8=True", "W4=True", "ROW_SCALE=True") and has("_gemm2_kernel", "ROW_SCALE=True",
                                                                                   "PAIRS=True")
     assert not has("_gemm2_kernel", "W4=False", "ROW_SCALE=True")
@@ -368,6 +371,21 @@ def test_every_launch_of_the_ops_builds_for_sm_90a():
         assert has("_gemm1_kernel", "FP8=True", "W4=True", "QOUT=True", phase), phase
     assert has("_gemm1_kernel", "FP8=True", "W4=True", "QOUT=True", "PAIRS=True")
     assert has("_gemm2_kernel", "FP8=True", "W4=True", "ROW_SCALE=False", "PAIRS=True")
+
+
+def test_the_quant_launches_build_for_amd():
+    # hip_compile.py builds the GEMMs for gfx942 / gfx950; the launches between them (a8w4's quant, and its finish
+    # after a split GEMM1) build here, recorded from the ops as compile_all records every launch
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_all.py"), "--target", "gfx942", "gfx950",
+                          "--kernels", "_inter_quant_kernel", "_finish_kernel"], capture_output=True, text=True,
+                         env=env, timeout=1800)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    built = [line for line in run.stdout.splitlines() if line.endswith(" B")]
+    for arch in ("gfx942", "gfx950"):
+        for kernel in ("_inter_quant_kernel", "_finish_kernel"):
+            assert any(line.startswith(f"{arch} {kernel} ") for line in built), (arch, kernel)
+    assert f"{len(built)} of {len(built)} builds passed" in run.stdout
 
 
 def test_compile_all_reports_a_failing_build():

@@ -87,7 +87,7 @@ def _weight_bytes(scheme: str, rows: int, cols: int) -> int:
 def kernel_terms(scheme: str, H: int, I: int, T: int, top_k: int, n_hit: int, *,
                  x_bytes: int = 2, id_bytes: int = 4, separate: bool = False,
                  split_sort: bool = False, pair_blocks: bool = False,
-                 inter_quant: bool = False) -> dict[str, KernelTerms]:
+                 inter_quant: bool = False, slices: int = 1) -> dict[str, KernelTerms]:
     """Bytes each launch must move and flops it must do, for T tokens at EP size 1.
 
     pairs = T * top_k (every slot local), n_hit = distinct experts hit. Activations are
@@ -117,6 +117,8 @@ def kernel_terms(scheme: str, H: int, I: int, T: int, top_k: int, n_hit: int, *,
         and takes its terms, less the sorted pair list it does not write.
     inter_quant (a8w4's GEMM2 input per token, Scheme.inter_per_token): GEMM1 writes bf16 (pairs*I*2) and no
         scales; `inter_quant` reads it back and writes the e4m3 rows and one fp32 scale per row, which GEMM2 reads.
+        With slices > 1 (GEMM1 split K that many ways; kernels/inter_quant.py `finish_rows`) GEMM1 writes its fp32
+        K slices of the pre-activation instead (slices*pairs*2I*4) and `inter_quant` reads them.
     The sum over kernels exceeds common.floor_terms (the layer's compulsory I/O) by the
     intermediate round trips (activation, partials) and the routing launch's own traffic.
     """
@@ -142,8 +144,13 @@ def kernel_terms(scheme: str, H: int, I: int, T: int, top_k: int, n_hit: int, *,
         gemm1["x scales read"] = T * gH * 4
     if inter_quant:
         g_inter = 1
-        gemm1["inter write"] = pairs * I * 2
-        quant = {"inter read": pairs * I * 2, "inter_q write": pairs * I, "inter scales write": pairs * 4}
+        if slices > 1:
+            gemm1["K slices write"] = slices * pairs * 2 * I * 4
+            quant = {"K slices read": slices * pairs * 2 * I * 4}
+        else:
+            gemm1["inter write"] = pairs * I * 2
+            quant = {"inter read": pairs * I * 2}
+        quant |= {"inter_q write": pairs * I, "inter scales write": pairs * 4}
     else:
         gemm1["inter write"] = pairs * I * act
         if fp8_act:
@@ -297,7 +304,8 @@ def measure_rows(timer: Any, spec: Any, weights: Any, ws: Any, x: torch.Tensor, 
     pair_blocks = "routing" not in stages
     terms = kernel_terms(scheme, H, I, T, k, n_hit, separate="combine" in stages,
                          split_sort=stages.count("routing") > 1, pair_blocks=pair_blocks,
-                         inter_quant="inter_quant" in stages)
+                         inter_quant="inter_quant" in stages,
+                         slices=cfg.split_k1 if any(launch.name == "_finish_kernel" for launch in launches) else 1)
     rows = []
     for i, launch in enumerate(launches):
         # the second routing launch is the split sort's scatter (kernels/routing.py)

@@ -272,7 +272,7 @@ def plot(rows: list[dict], ceil: dict[str, float], path: Path) -> None:
 
 # Triton kernel name -> stage name used in kernel_terms and the tables
 STAGES = {"_routing_kernel": "routing", "_gemm1_kernel": "gemm1", "_inter_quant_kernel": "inter_quant",
-          "_gemm2_kernel": "gemm2", "_combine_kernel": "combine"}
+          "_finish_kernel": "inter_quant", "_gemm2_kernel": "gemm2", "_combine_kernel": "combine"}
 
 
 # ---------------------------------------------------------------- launch recording
