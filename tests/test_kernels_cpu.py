@@ -261,9 +261,12 @@ def test_fused_experts_matches_reference(seed, case):
     else:
         assert rel_err(got, reference(x, w, ids, spec, p, act_quant=True)) <= 1e-2
         # vs the unquantized oracle the scheme itself (the torch twin) sits at ~4% on these
-        # data, so the 5e-2 bound is only a stable check with enough rows (>= 50 pairs)
-        # and unit-scale gates; the 1e-2 checks above hold everywhere.
-        if T * k >= 50 and gate_std is None:
+        # data, so the 5e-2 bound is only a stable check with enough rows (>= 50 pairs that a local expert
+        # computes: sentinel and other ranks' slots add none; at 34 such pairs a8w4's twin was 5.1e-2 from the
+        # oracle at seed 2025637753) and unit-scale gates; the 1e-2 checks above hold everywhere.
+        valid = (ids >= 0) & (ids < E)
+        computed = int((valid & (p.expert_map[ids.clamp(0, E - 1).long()] >= 0)).sum())
+        if computed >= 50 and gate_std is None:
             assert rel_err(got, reference(x, w, ids, spec, p, act_quant=False)) <= 5e-2
 
 
