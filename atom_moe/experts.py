@@ -306,7 +306,8 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
                 num_warps=cfg.warps2, num_stages=cfg.stages2, group_m=cfg.group_m, remote=remote,
                 hidden=weights.hidden_size, mx_big=weights.mx_scale_max > 128,
                 w2_rowexp=weights.w2_rowexp, mx_flush=weights.mx_flush, separate=separate, split_k=split_k2,
-                maxnreg=cfg.maxnreg2, pairs=pairs is not None, pdl=pdl, tma=tma, row_scale=wide)
+                maxnreg=cfg.maxnreg2, pairs=pairs is not None, pdl=pdl, tma=tma, row_scale=wide,
+                ahead=cfg.ahead2)
     if separate:
         gemm2.combine(partial, topk_ids, weights.expert_map, out)
     return out

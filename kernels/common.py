@@ -39,6 +39,26 @@ def check_split(gemm: str, split_k: int, num_pairs: int, n_out: int, k: int, blo
     return split_k
 
 
+MAX_AHEAD = 4096  # GEMM2's lookahead prefetch, in programs: further ahead, their tiles would outgrow any L2
+
+
+def check_ahead(gemm: str, ahead: int, split: int, device: torch.device) -> None:
+    """Raise ValueError unless `gemm` can prefetch `ahead` programs ahead here: an int in [0, MAX_AHEAD], an unsplit
+    launch, and an NVIDIA sm_90+ device (its bulk L2 prefetch) or the interpreter (which skips the prefetch)."""
+    if not isinstance(ahead, int) or not 0 <= ahead <= MAX_AHEAD:
+        raise ValueError(f"{gemm} ahead must be an int in [0, {MAX_AHEAD}] (programs), got {ahead!r}")
+    if ahead == 0:
+        return
+    if split > 1:
+        raise ValueError(f"{gemm} ahead={ahead} prefetches whole-K weight tiles: allowed with split_k=1 only, got "
+                         f"split_k={split}")
+    if interpreting():
+        return
+    if device.type != "cuda" or torch.version.hip is not None or \
+            _capability(device.index if device.index is not None else torch.cuda.current_device()) < (9, 0):
+        raise ValueError(f"{gemm} ahead={ahead}: the L2 bulk prefetch is NVIDIA sm_90+ PTX; {device} takes 0")
+
+
 def register_cap(maxnreg: int) -> dict:
     """Launch options for a per-thread register cap (0: none): Triton's maxnreg, a ptxas option (NVIDIA only)."""
     if not maxnreg:
@@ -179,9 +199,10 @@ def checked_ids(raw, num_experts):
 
 
 @triton.jit
-def tile_ids(n_blocks, n_tiles_n, GROUP_M: tl.constexpr):
-    """Grouped tile order: GROUP_M row blocks sweep all column tiles together, for L2 reuse."""
-    pid = tl.program_id(0)
+def tile_ids(n_blocks, n_tiles_n, GROUP_M: tl.constexpr, AHEAD: tl.constexpr = 0):
+    """Grouped tile order: GROUP_M row blocks sweep all column tiles together, for L2 reuse. (pid_m, pid_n) of
+    this program, or with AHEAD > 0 of the program AHEAD places after it (which must exist)."""
+    pid = tl.program_id(0) + AHEAD
     per_group = GROUP_M * n_tiles_n
     first_m = (pid // per_group) * GROUP_M
     size = tl.minimum(n_blocks - first_m, GROUP_M)

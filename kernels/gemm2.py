@@ -42,8 +42,8 @@ import triton.language as tl
 
 from atom_moe.spec import A8W4_INTER_GROUP
 
-from .common import (QGROUP, cast, check_split, checked_ids, interpreting, pdl_options, pdl_wait, prefetch_l2,
-                     register_cap, scale_strides, swapped, tile_desc)
+from .common import (QGROUP, cast, check_ahead, check_split, checked_ids, interpreting, pdl_options, pdl_wait,
+                     prefetch_l2, register_cap, scale_strides, swapped, tile_desc)
 from .mainloop import k_loop, tile_expert, tile_finish, tile_rows, tile_start
 from .mxfp4 import launch_args, rowexp_arg, scaled_dot
 
@@ -84,9 +84,16 @@ def _gemm2_kernel(a_ptr, as_ptr, stride_as, stride_as_k, w_ptr, ws_ptr, rowexp_p
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, IGROUP: tl.constexpr, INTERP: tl.constexpr, REMOTE: tl.constexpr,
                   SEPARATE: tl.constexpr, SCALED: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr,
-                  TMA_A: tl.constexpr, TMA_W: tl.constexpr, ROW_SCALE: tl.constexpr, SWAP: tl.constexpr):
+                  TMA_A: tl.constexpr, TMA_W: tl.constexpr, ROW_SCALE: tl.constexpr, SWAP: tl.constexpr,
+                  AHEAD: tl.constexpr):
     pid_m, pid_n, expert = tile_expert(block_expert_ptr, n_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M, ids_ptr,
                                        emap_ptr, num_experts, PAIRS, PDL)
+    if AHEAD > 0:  # ask L2 for the weight tile of the program AHEAD places later, so it finds them there
+        ahead_n, ahead_expert = ahead_tile(block_expert_ptr, n_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M, ids_ptr,
+                                           emap_ptr, num_experts, PAIRS, AHEAD, PDL)
+        if (ahead_expert >= 0) & (SPLIT == 1) & (not INTERP):  # the interpreter runs no PTX; SPLIT: gemm2 refuses
+            prefetch_weights(w_ptr, ahead_expert.to(tl.int64), ahead_n, hidden, inter, row_blocks, k_blocks, W4,
+                             BLOCK_N)
     if PDL:  # launched while GEMM1 runs: ask L2 for this tile's weights, then wait for GEMM1's output
         if (expert >= 0) & (SPLIT == 1):
             prefetch_weights(w_ptr, expert.to(tl.int64), pid_n, hidden, inter, row_blocks, k_blocks, W4, BLOCK_N)
@@ -181,6 +188,19 @@ def _gemm2_kernel(a_ptr, as_ptr, stride_as, stride_as_k, w_ptr, ws_ptr, rowexp_p
 
 
 @triton.jit
+def ahead_tile(block_expert_ptr, n_blocks, n_col_tiles, GROUP_M: tl.constexpr, ids_ptr, emap_ptr, num_experts,
+               PAIRS: tl.constexpr, AHEAD: tl.constexpr, L2_ONLY: tl.constexpr = False):
+    """(pid_n, expert) of the program AHEAD places after this one in the launch; expert -1 where that program is
+    idle or past the grid's last. L2_ONLY: read past L1, as tile_expert."""
+    ahead_n = 0
+    ahead_expert = -1
+    if tl.program_id(0) + AHEAD < n_blocks * n_col_tiles:
+        _, ahead_n, ahead_expert = tile_expert(block_expert_ptr, n_blocks, n_col_tiles, GROUP_M, ids_ptr, emap_ptr,
+                                               num_experts, PAIRS, L2_ONLY, AHEAD)
+    return ahead_n, ahead_expert
+
+
+@triton.jit
 def prefetch_weights(w_ptr, e64, pid_n, n_rows, k, row_blocks, k_blocks, W4: tl.constexpr, BLOCK_N: tl.constexpr):
     """L2 prefetch of the first PREFETCH_BYTES of rows [pid_n * BLOCK_N, +BLOCK_N) of expert e64's weight, all of
     K: contiguous bytes in both layouts ([E, N, K] row-major; MX tiles / quads [E, N/16, K/64, 128 words];
@@ -250,7 +270,7 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
           remote: "RemoteOutput | None" = None, separate: bool = False, hidden: int | None = None,
           mx_big: bool = False, w2_rowexp: torch.Tensor | None = None, mx_flush: bool = False,
           split_k: int = 1, maxnreg: int = 0, pairs: bool = False, pdl: bool = False, tma: bool = False,
-          row_scale: bool = False) -> None:
+          row_scale: bool = False, ahead: int = 0) -> None:
     """out[t] = sum_k w[t,k] * (act[row(t,k)] @ w2[e]^T (+bias)), deterministic combine.
 
     remote: push the results to the source ranks instead of `out` (see the module docstring).
@@ -269,6 +289,11 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
     every scheme's activation rows unless pairs (a pair block's one row is not a run of consecutive rows).
     row_scale (a8w4, Scheme.inter_per_token): each row of `a` has one scale, a_scale's first column (the only one
     read; kernels/inter_quant.py writes it), so the K loop keeps one accumulator.
+    ahead > 0: each program first asks L2 (`prefetch_weights`) for the weight tile of the program `ahead` places
+    after it in the launch, so that program's loads find its weights in L2 while this one's latency chain (expert,
+    rows, K loop, combine) keeps the DRAM stream busy: short-K decode tiles (docs/perf/seed-fp8-h200.md, GLM-5.2-TP8
+    fp8 T = 8: 7296 programs of two K steps each, 1.83 TB/s). NVIDIA sm_90+ (or the interpreter, which computes the
+    lookahead and skips the prefetch); unsplit only. A hint: the results are the same bytes as without it.
     """
     fp8 = a_scale is not None  # e4m3 activations (fp8, a8w4)
     w4 = w2.dtype == torch.uint8  # MXFP4 weights (a16w4, a8w4): MX tiles [E, H/16, I/64, 512]
@@ -310,6 +335,7 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
         raise ValueError(f"GEMM2 split_k={split_k}: split-K runs with the local counter combine only "
                          f"(not separate, not remote)")
     split = check_split("GEMM2", split_k, num_tokens * top_k, hidden, inter, block_k, partial)
+    check_ahead("GEMM2", ahead, split, a.device)
     if pdl and remote is not None:
         raise ValueError("GEMM2 pdl: local output only (the symm transport's push keeps plain stream order)")
     if pairs and (n_blocks != num_tokens * top_k or remote is not None):
@@ -334,7 +360,7 @@ def gemm2(a: torch.Tensor, a_scale: torch.Tensor | None, w2: torch.Tensor, w2_sc
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, IGROUP=igroup, INTERP=interpreting(),
         REMOTE=remote is not None, SEPARATE=separate, SCALED=w4 and fp8 and scaled_dot(a.device, block_k), PAIRS=pairs,
         PDL=pdl, TMA_A=a_desc is not None, TMA_W=w_desc is not None, ROW_SCALE=row_scale,
-        SWAP=not w4 and swapped(block_m, fp8), num_warps=num_warps,
+        SWAP=not w4 and swapped(block_m, fp8), AHEAD=ahead, num_warps=num_warps,
         num_stages=num_stages,
         **register_cap(maxnreg), **pdl_options(pdl),
     )

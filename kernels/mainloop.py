@@ -29,13 +29,14 @@ from .mxfp4 import row_factor, scale_step, swap_step, tile_offsets
 
 @triton.jit
 def tile_expert(block_expert_ptr, n_blocks, n_col_tiles, GROUP_M: tl.constexpr, ids_ptr, emap_ptr, num_experts,
-                PAIRS: tl.constexpr, L2_ONLY: tl.constexpr = False):
+                PAIRS: tl.constexpr, L2_ONLY: tl.constexpr = False, AHEAD: tl.constexpr = 0):
     """(pid_m, pid_n, expert) of this program: its row block, column tile and the block's expert (-1: idle).
 
     PAIRS: no routing sort ran; row block b is (token, slot) pair b alone, its expert read from
     topk_ids through expert_map (-1 for sentinels and experts of other ranks). L2_ONLY: read past
-    L1 (GEMM2 under PDL reads the expert before its wait: kernels/gemm2.py)."""
-    pid_m, pid_n = tile_ids(n_blocks, n_col_tiles, GROUP_M)
+    L1 (GEMM2 under PDL reads the expert before its wait: kernels/gemm2.py). AHEAD > 0: those of the program
+    AHEAD places later in the launch (it must exist; GEMM2's lookahead prefetch)."""
+    pid_m, pid_n = tile_ids(n_blocks, n_col_tiles, GROUP_M, AHEAD)
     cache: tl.constexpr = ".cg" if L2_ONLY else ""
     if PAIRS:
         ok, gid = checked_ids(tl.load(ids_ptr + pid_m, cache_modifier=cache), num_experts)

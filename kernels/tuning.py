@@ -23,9 +23,9 @@ ENV_VARS = ("ATOM_FLYDSL_KERNELS_PATH", "ATOM_MOE_CONFIG_DIR")
 KEY_COLUMNS = ("device", "scheme", "H", "I", "E", "top_k", "tokens")
 CONFIG_COLUMNS = ("block_m", "block_n1", "block_k1", "warps1", "stages1",
                   "block_n2", "block_k2", "warps2", "stages2", "group_m", "split_k1", "split_k2",
-                  "maxnreg1", "maxnreg2")
-# tables written before these columns existed read as unsplit and uncapped
-OPTIONAL_COLUMNS = {"split_k1": 1, "split_k2": 1, "maxnreg1": 0, "maxnreg2": 0}
+                  "maxnreg1", "maxnreg2", "ahead2")
+# tables written before these columns existed read as unsplit, uncapped and without lookahead
+OPTIONAL_COLUMNS = {"split_k1": 1, "split_k2": 1, "maxnreg1": 0, "maxnreg2": 0, "ahead2": 0}
 COLUMNS = KEY_COLUMNS + CONFIG_COLUMNS + ("us",)
 
 
@@ -53,6 +53,9 @@ class TileConfig:
     # for resident CTAs (a16w4's 128-k tiles: 122 registers, 4 CTAs per SM; docs/perf/a16w4-rotation-h200.md)
     maxnreg1: int = 0
     maxnreg2: int = 0
+    # GEMM2 programs ask L2 for the weight tile of the program this many places later (0: off; NVIDIA sm_90+,
+    # unsplit GEMM2): kernels/gemm2.py `ahead`
+    ahead2: int = 0
 
     def check(self, scheme: str) -> None:
         """Raise ConfigError unless the kernels accept this config for `scheme`."""
@@ -61,6 +64,9 @@ class TileConfig:
             if f.name.startswith("maxnreg"):
                 if not isinstance(v, int) or not (v == 0 or MIN_MAXNREG <= v <= MAX_MAXNREG):
                     raise ConfigError(f"tile config {f.name}={v!r}: allowed 0 (no cap) or {MIN_MAXNREG}..{MAX_MAXNREG}")
+            elif f.name == "ahead2":
+                if not isinstance(v, int) or not 0 <= v <= MAX_AHEAD:
+                    raise ConfigError(f"tile config ahead2={v!r}: allowed 0 (off) to {MAX_AHEAD} programs")
             elif not isinstance(v, int) or v < 1:
                 raise ConfigError(f"tile config {f.name} must be a positive int, got {v!r}")
         for name in ("block_m", "block_n1", "block_k1", "block_n2", "block_k2"):
@@ -86,6 +92,9 @@ class TileConfig:
         for name in ("split_k1", "split_k2"):
             if getattr(self, name) > MAX_SPLIT_K:
                 raise ConfigError(f"{name}={getattr(self, name)}: allowed 1..{MAX_SPLIT_K}")
+        if self.ahead2 and self.split_k2 > 1:
+            raise ConfigError(f"ahead2={self.ahead2} prefetches whole-K GEMM2 tiles: allowed with split_k2=1 only, "
+                              f"got split_k2={self.split_k2}")
         if scheme in MXFP4 and (self.block_n1 % 16 or self.block_n2 % 16 or self.block_k1 % 64 or self.block_k2 % 64):
             raise ConfigError(f"{scheme} needs block_n1, block_n2 multiples of 16 and block_k1, block_k2 multiples "
                               f"of 64 (whole MX tile blocks), got n {self.block_n1}, {self.block_n2}, "
@@ -97,6 +106,7 @@ MXFP4 = ("a16w4", "a8w4")  # e2m1 weights with one e8m0 scale per 32 along K
 MAX_BLOCK_M = 128  # the workspace is sized for the largest BLOCK_M
 MIN_MAXNREG, MAX_MAXNREG = 64, 255  # the floor keeps a typo from building a spill-bound kernel; 255 is the per-thread limit
 MAX_SPLIT_K = 8  # kernels/common.py's bound (no triton import here)
+MAX_AHEAD = 4096  # kernels/common.py's
 SPLIT_MAX_PAIRS = 128  # kernels/common.py's: split-K only for decode batches
 MIN_BLOCK_M = 16
 FILL_PROGRAMS = 160  # bf16 / fp8 at T = 1: GEMM1's K split doubles while its programs stay within this many

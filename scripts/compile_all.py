@@ -170,6 +170,12 @@ def _exercise() -> None:
             _exercise_symm(spec, raw, "fp8" if spec.scheme.fp8_activations else "bf16", T, g)
         finally:
             kcommon.tma = tma
+        # GEMM2's lookahead prefetch (a table's ahead2, NVIDIA sm_90+): counter and separate combine, pair blocks
+        ahead = dataclasses.replace(tuning.heuristic(scheme, H, I, E, K, T), split_k2=1, ahead2=512)
+        fused_experts(x, w, ids, weights, spec, config=ahead)
+        fused_experts(x, w, ids, weights, spec, config=ahead, combine="separate")
+        ahead = dataclasses.replace(tuning.heuristic(scheme, H, I, E, K, 1), split_k2=1, ahead2=512)
+        fused_experts(x[:1], w[:1], ids[:1], weights, spec, config=ahead, pair_blocks=True)
         if scheme == "a8w4":  # ATOM_MOE_A8W4_INTER=group: GEMM1 quantizes per 64-group, GEMM2's two accumulators
             _exercise_inter_per_group(x, w, ids, weights, spec, configs.get(scheme, ()))
         for wire in ("bf16", "fp8") if spec.scheme.fp8_activations else ("bf16",):
@@ -339,8 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     for target in args.target:
         for key, (kernel, sig, ce, div, options) in sorted(launches.items(), key=lambda kv: str(kv[0])):
             if TARGETS[target].backend == "hip" and (options.get("launch_pdl") or any(
-                    ce.get(name) for name in ("PDL", "PDL_WAIT", "PDL_RELEASE", "TMA_A", "TMA_W"))):
-                continue  # PDL is PTX (griddepcontrol) and TMA NVIDIA's: kernels/common.py `pdl`, `tma` are off on HIP
+                    ce.get(name) for name in ("PDL", "PDL_WAIT", "PDL_RELEASE", "TMA_A", "TMA_W", "AHEAD"))):
+                continue  # PDL and the lookahead prefetch are PTX, TMA NVIDIA's: off on HIP (kernels/common.py)
             label = f"{target} {kernel.__name__} {options} " + " ".join(
                 f"{k}={v}" for k, v in ce.items() if k.isupper() and v is not None and not callable(v)) + ":"
             jobs.append((label, _builder(kernel, sig, ce, div, options, target)))

@@ -94,7 +94,7 @@ def signature(kernel: str, scheme: str, tma: tuple[int, int, int, int] | None = 
 
 def constexprs(kernel: str, scheme: str, block_m: int, block_n: int, block_k: int, top_k: int,
                separate: bool = True, scaled: bool = False, pairs_hidden: int = 0, pdl: bool = False,
-               tma: bool = False, split: int = 1, phase: int = 0, row_scale: bool = False) -> dict:
+               tma: bool = False, split: int = 1, phase: int = 0, row_scale: bool = False, ahead: int = 0) -> dict:
     """The launchers' compile-time switches for a local-output call (GEMM2: the separate combine's, or with
     separate=False the counter combine's of a three-launch call); scaled: a8w4 through tl.dot_scaled;
     pairs_hidden > 0: a pair-block call (T = 1, no routing launch, kernels/routing.py) of that H; pdl:
@@ -102,7 +102,8 @@ def constexprs(kernel: str, scheme: str, block_m: int, block_n: int, block_k: in
     GEMM2's activation rows);
     split > 1: a split-K launch (GEMM1's phase 1 computes the slices, phase 2 adds them; GEMM2 in one launch);
     row_scale: a8w4 with one scale per token on GEMM2's input (the default; off: ATOM_MOE_A8W4_INTER=group): GEMM1
-    stores bf16, GEMM2 keeps one accumulator. bf16 / fp8 tiles are swapped as the launchers swap them
+    stores bf16, GEMM2 keeps one accumulator; ahead: GEMM2's lookahead prefetch distance (kernels/gemm2.py, NVIDIA
+    only). bf16 / fp8 tiles are swapped as the launchers swap them
     (kernels/common.py `swapped`: ATOM_MOE_SWAP)."""
     common = dict(FP8=scheme in ("fp8", "a8w4"), W4=scheme in ("a16w4", "a8w4"), BIG=False, HAS_BIAS=True,
                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
@@ -118,7 +119,7 @@ def constexprs(kernel: str, scheme: str, block_m: int, block_n: int, block_k: in
     return {**common, "stride_as": 1, "TOPK": top_k, "KP2": triton.next_power_of_2(top_k), "REMOTE": False,
             "SEPARATE": separate, "SPLIT": split, "PAIRS": pairs_hidden > 0, "PDL": pdl,
             "TMA_A": tma and not pairs_hidden,
-            "TMA_W": tma and scheme in ("bf16", "fp8"), "ROW_SCALE": row_scale}
+            "TMA_W": tma and scheme in ("bf16", "fp8"), "ROW_SCALE": row_scale, "AHEAD": ahead}
 
 
 def loop_body(sass: str) -> list[str]:
@@ -152,7 +153,7 @@ def compile_sass(args: argparse.Namespace) -> tuple[dict, str]:
         sig = {**sig, "out_ptr": "*bf16"}
     ce = constexprs(args.kernel, args.scheme, args.block_m, args.block_n, args.block_k, args.top_k,
                     separate=not args.pairs_hidden, scaled=args.scaled, pairs_hidden=args.pairs_hidden, pdl=args.pdl,
-                    tma=args.tma, row_scale=args.row_scale)
+                    tma=args.tma, row_scale=args.row_scale, ahead=args.ahead)
     names = list(sig) + list(ce)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in div}
     src = ASTSource(fn, {**sig, **{k: "constexpr" for k in ce}}, constexprs=ce, attrs=attrs)
@@ -221,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
                    "GEMM2 keeps one accumulator")
     p.add_argument("--scaled", action="store_true", help="a8w4 through tl.dot_scaled (gfx950's path; on sm_90a "
                    "Triton decomposes it)")
+    p.add_argument("--ahead", type=int, default=0, help="GEMM2's lookahead prefetch distance in programs (a tile "
+                   "config's ahead2; 0: off)")
     p.add_argument("--top", type=int, default=16, help="most frequent instructions to list")
     p.add_argument("--sass", type=Path, help="also write the whole SASS here")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object instead")

@@ -7,6 +7,8 @@
 # Usage: bash scripts/tune_served.sh [TABLE] [SECONDS]   (default .cache/served/tuned-served.csv, 540 s)
 # SCHEMES="fp8 bf16" tunes those schemes instead of the MXFP4 passes; TOKENS="512 2048" limits the buckets;
 # MODELS="kimi-k2 glm-4.5" tunes those presets instead of the served ones (with SCHEMES, e.g. SCHEMES=a16w4).
+# SPACE=split|ahead|full sweeps that candidate space (docs/tune.md; default tied). Every candidate's time goes to
+# $OUT/tune-trials.csv too.
 set -uo pipefail
 table=${1:-.cache/served/tuned-served.csv}
 budget=${2:-540}
@@ -18,6 +20,8 @@ python3 -c "import sys, torch, triton; print('python', sys.version.split()[0], '
 end=$((SECONDS + budget))
 tokens=()
 [ -n "${TOKENS:-}" ] && read -ra tokens <<<"--tokens $TOKENS"
+space=()
+[ -n "${SPACE:-}" ] && space=(--space "$SPACE")
 for pass in ${SCHEMES:-own other}; do
   for model in ${MODELS:-glm-5.2-tp8 glm-5.2-tp4 deepseek-v4.1-flash-tp4 deepseek-v4.1-flash-tp2}; do
     case "$model/$pass" in
@@ -28,7 +32,8 @@ for pass in ${SCHEMES:-own other}; do
     left=$((end - SECONDS))
     if [ "$left" -lt 30 ]; then echo "== budget spent before $model $scheme: run again with $table"; break 2; fi
     echo "== $model $scheme [$(date +%T), ${left} s left]"
-    timeout "$left" python3 -m atom_moe.tools.cli tune "$model" --scheme "$scheme" "${tokens[@]}" --iters 10 --out "$table" 2>&1 \
+    timeout "$left" python3 -m atom_moe.tools.cli tune "$model" --scheme "$scheme" "${tokens[@]}" "${space[@]}" --iters 10 \
+      --out "$table" --trials "$out/tune-trials.csv" 2>&1 \
       | grep -v "no tuned config" | tee -a "$out/tune-served.log" | tail -12
     cp "$table" "$out/tuned-served.csv"
   done

@@ -13,10 +13,10 @@ from atom_moe.kernels.tuning import TileConfig
 HEADER = ",".join(tuning.COLUMNS)
 
 
-def _row(device, scheme, H, I, E, k, tokens, block_m, us=1.0, n1=128, split=1, split2=1, regs=0):
+def _row(device, scheme, H, I, E, k, tokens, block_m, us=1.0, n1=128, split=1, split2=1, regs=0, ahead=0):
     k1 = 128 if scheme == "fp8" else 64
     return (f"{device},{scheme},{H},{I},{E},{k},{tokens},{block_m},{n1},{k1},4,3,128,{k1},4,3,8,{split},{split2},"
-            f"{regs},{regs},{us}")
+            f"{regs},{regs},{ahead},{us}")
 
 
 @pytest.fixture(autouse=True)
@@ -185,20 +185,22 @@ def test_bad_tables_and_dirs_are_named(tmp_path, monkeypatch):
         tuning.lookup("x", "bf16", 8, 8, 2, 1, 1)
 
 
-def test_split_k_and_register_cap_columns_are_optional(tmp_path, monkeypatch):
-    # tables from before split-K / register caps lack those columns: their rows read as unsplit, uncapped;
-    # newer rows carry them
+def test_split_k_register_cap_and_lookahead_columns_are_optional(tmp_path, monkeypatch):
+    # tables from before split-K / register caps / GEMM2's lookahead lack those columns: their rows read as
+    # unsplit, uncapped, without lookahead; newer rows carry them
     values = dict(zip(tuning.COLUMNS, _row("x", "bf16", 512, 256, 16, 4, 1, 16).split(",")))
     old_cols = [c for c in tuning.COLUMNS if c not in tuning.OPTIONAL_COLUMNS]
     (tmp_path / "old.csv").write_text(",".join(old_cols) + "\n" + ",".join(values[c] for c in old_cols) + "\n")
     monkeypatch.setenv("ATOM_MOE_CONFIG_DIR", str(tmp_path))
     old = tuning.lookup("x", "bf16", 512, 256, 16, 4, 1)
-    assert (old.split_k1, old.split_k2, old.maxnreg1, old.maxnreg2) == (1, 1, 0, 0)
+    assert (old.split_k1, old.split_k2, old.maxnreg1, old.maxnreg2, old.ahead2) == (1, 1, 0, 0, 0)
     (tmp_path / "old.csv").unlink()
-    _write(tmp_path / "new.csv", [_row("x", "bf16", 512, 256, 16, 4, 1, 16, split=4, split2=2, regs=96)])
+    _write(tmp_path / "new.csv", [_row("x", "bf16", 512, 256, 16, 4, 1, 16, split=4, split2=2, regs=96),
+                                  _row("x", "bf16", 512, 256, 16, 4, 64, 16, ahead=512)])
     tuning.clear_cache()
     new = tuning.lookup("x", "bf16", 512, 256, 16, 4, 1)
-    assert (new.split_k1, new.split_k2, new.maxnreg1, new.maxnreg2) == (4, 2, 96, 96)
+    assert (new.split_k1, new.split_k2, new.maxnreg1, new.maxnreg2, new.ahead2) == (4, 2, 96, 96, 0)
+    assert tuning.lookup("x", "bf16", 512, 256, 16, 4, 64).ahead2 == 512
 
 
 @pytest.mark.parametrize("regs, ok", [(0, True), (64, True), (96, True), (255, True), (1, False), (63, False),

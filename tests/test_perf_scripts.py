@@ -371,6 +371,10 @@ def test_every_launch_of_the_ops_builds_for_sm_90a():
         assert has("_gemm1_kernel", "FP8=True", "W4=True", "QOUT=True", phase), phase
     assert has("_gemm1_kernel", "FP8=True", "W4=True", "QOUT=True", "PAIRS=True")
     assert has("_gemm2_kernel", "FP8=True", "W4=True", "ROW_SCALE=False", "PAIRS=True")
+    # GEMM2's lookahead prefetch (ahead2) in every scheme, both combines and pair blocks; never built for HIP
+    for flag in ("FP8=True W4=True", "FP8=True W4=False", "FP8=False W4=True", "FP8=False W4=False"):
+        for mode in ("SEPARATE=True", "SEPARATE=False", "PAIRS=True"):
+            assert has("_gemm2_kernel", "AHEAD=512", mode, *flag.split()), (flag, mode)
 
 
 def test_the_quant_launches_build_for_amd():
@@ -616,7 +620,7 @@ def test_launch_ab_needs_a_gpu():
     assert launch_ab.run_arm("tiles=64,128,64,4,3,256,64,8,3", lambda: os.environ["ATOM_MOE_TMA"]) == "0"
     proc = subprocess.run([sys.executable, script, "--tiles", "128,128,64"], capture_output=True, text=True,
                           env=env, cwd=ROOT)
-    assert proc.returncode == 1 and "allowed are 9 to 14 integers" in proc.stderr
+    assert proc.returncode == 1 and "allowed are 9 to 15 integers" in proc.stderr
     before = {f: os.environ.get(f) for f in ("ATOM_MOE_PDL", "ATOM_MOE_TMA")}
     seen = launch_ab.run_arm("sorted+pdl+tma", lambda: (os.environ["ATOM_MOE_PDL"], os.environ["ATOM_MOE_TMA"]))
     assert seen == ("1", "1") and launch_ab.run_arm("sorted", lambda: os.environ["ATOM_MOE_TMA"]) == "0"

@@ -127,6 +127,21 @@ def test_split_space_sweeps_the_table_row_and_the_heuristic_over_k_splits():
         tune.triton_candidates(replace(key, tokens=32), "split")
 
 
+def test_ahead_space_sweeps_the_table_row_and_the_heuristic_over_lookahead_distances():
+    """--space ahead: the H200 table's DeepSeek-V3 decode row and the heuristic as they are, then each with GEMM2
+    unsplit at every lookahead distance; at any T (the prefetch is not a decode-only setting)."""
+    for tokens in (1, 8, 2048):
+        key = tune.Key("NVIDIA H200", "fp8", 7168, 2048, 256, 8, tokens)
+        table = tuning.lookup(*key.__dict__.values())
+        heur = tuning.heuristic("fp8", 7168, 2048, 256, 8, tokens)
+        got = tune.triton_candidates(key, "ahead")
+        want = [table, heur] + [replace(c, split_k2=1, ahead2=a) for c in (table, heur) for a in tune.AHEADS]
+        assert got == list(dict.fromkeys(want)) and got[0] == table
+        assert {c.ahead2 for c in got} == {0, *tune.AHEADS}
+        for c in got:
+            c.check("fp8")
+
+
 def test_given_configs_run_beside_the_config_of_today_and_the_heuristic(tmp_path, monkeypatch):
     """--configs: the key's table row (what the op runs today), the heuristic and the given configs, nothing else;
     a config the scheme refuses is an error naming it before any timing."""
@@ -137,17 +152,18 @@ def test_given_configs_run_beside_the_config_of_today_and_the_heuristic(tmp_path
     assert given[0] == TileConfig(128, 128, 64, 8, 3, 128, 64, 8, 3)
     got = tune.given_candidates(key, given + [today])
     assert got == list(dict.fromkeys([today, heur, *given])) and len(got) >= 3
-    with pytest.raises(tune.TuneError, match=r"--configs 64,128,64,4,3,128,64,4,3,8,1,1,0,0: fp8 needs block_n1=256"):
+    with pytest.raises(tune.TuneError, match=r"--configs 64,128,64,4,3,128,64,4,3,8,1,1,0,0,0: fp8 needs block_n1=256"):
         tune.given_candidates(replace(key, scheme="fp8"), [cfg(64, 128, 64)])
     # the optional trailing fields in table-column order: group_m, split_k1, split_k2, maxnreg1, maxnreg2
     assert tune.parse_tile_config("16,256,128,4,4,128,64,4,4,8,4,2") == \
         TileConfig(16, 256, 128, 4, 4, 128, 64, 4, 4, group_m=8, split_k1=4, split_k2=2)
     assert tune.parse_tile_config("16,128,128,4,4,128,128,4,4,8,1,1,96,96").maxnreg2 == 96
-    for bad in ("128,128,64", "128,128,64,8,3,128,64,8,x", "1,2,3,4,5,6,7,8,9,8,1,1,0,0,0",
+    assert tune.parse_tile_config("16,128,128,4,4,128,128,4,4,8,1,1,0,0,512").ahead2 == 512
+    for bad in ("128,128,64", "128,128,64,8,3,128,64,8,x", "1,2,3,4,5,6,7,8,9,8,1,1,0,0,0,0",
                 "16,128,64,4,4,128,64,4,-4"):
-        with pytest.raises(tune.argparse.ArgumentTypeError, match="allowed are 9 to 14 integers"):
+        with pytest.raises(tune.argparse.ArgumentTypeError, match="allowed are 9 to 15 integers"):
             tune.parse_tile_config(bad)
-    with pytest.raises(tune.TuneError, match=r"--configs 16,128,64,4,4,128,64,4,4,8,99,1,0,0: split_k1=99"):
+    with pytest.raises(tune.TuneError, match=r"--configs 16,128,64,4,4,128,64,4,4,8,99,1,0,0,0: split_k1=99"):
         tune.given_candidates(key, [tune.parse_tile_config("16,128,64,4,4,128,64,4,4,8,99")])
     # run_tuning times exactly those candidates, and refuses a bad one for any of its schemes before timing
     spec = MoESpec.create(hidden_size=256, intermediate_size=128, num_experts=8, top_k=2)
@@ -324,7 +340,7 @@ def test_cli_errors(capsys, tmp_path, monkeypatch):
                  "--configs", "128,128,64,8,3,128,64,8,3", "--out", str(tmp_path / "t.csv")]) == 2
     assert "--configs names the candidates itself" in capsys.readouterr().err
     assert main(["tune", "deepseek-v3", "--configs", "128,128,64", "--out", str(tmp_path / "t.csv")]) == 2
-    assert "allowed are 9 to 14 integers" in capsys.readouterr().err
+    assert "allowed are 9 to 15 integers" in capsys.readouterr().err
 
 
 def test_run_tuning_end_to_end_in_the_interpreter(tmp_path, monkeypatch, seed):

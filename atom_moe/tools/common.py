@@ -224,7 +224,8 @@ def cfg_str(cfg) -> str:
     return (f"bm{cfg.block_m} n1={cfg.block_n1} k1={cfg.block_k1} w{cfg.warps1} s{cfg.stages1} "
             f"n2={cfg.block_n2} k2={cfg.block_k2} w{cfg.warps2} s{cfg.stages2}"
             + (f" split{cfg.split_k1}" if getattr(cfg, "split_k1", 1) > 1 else "")
-            + (f" split_k2={cfg.split_k2}" if getattr(cfg, "split_k2", 1) > 1 else ""))
+            + (f" split_k2={cfg.split_k2}" if getattr(cfg, "split_k2", 1) > 1 else "")
+            + (f" ahead2={cfg.ahead2}" if getattr(cfg, "ahead2", 0) else ""))
 
 
 def write_csv(path: Path, rows: list[dict], columns) -> None:

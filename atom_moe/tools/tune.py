@@ -106,6 +106,9 @@ TILES = ((64, 64), (64, 128), (128, 64), (128, 128), (256, 64), (256, 128))  # (
 LAUNCH = ((4, 3), (4, 4), (8, 3), (8, 4))  # (num_warps, num_stages)
 BLOCK_MS = (16, 32, 64, 128)
 SPLITS = (2, 4, 8)  # K splits tried for decode batches (kernels/common.py: SPLIT_MAX_PAIRS)
+# GEMM2 lookahead prefetch distances tried (programs; kernels/gemm2.py `ahead`): about one to eight waves of resident
+# decode programs on an H100 / H200 (132 SMs, 2-5 GEMM2 programs each)
+AHEADS = (256, 512, 1024, 2048)
 # register caps tried on a scheme's 128-k, 4-warp tiles up to 32 rows: a16w4 keeps a K step's decoded
 # operands live, 122 registers at 16 x 128 x 128, so 4 CTAs per SM (docs/perf/a16w4-rotation-h200.md)
 REG_CAPS = {"a16w4": (96,)}
@@ -118,13 +121,16 @@ def triton_candidates(key: Key, space: str = "tied") -> list:
     scheme constrains the tiles: then every allowed GEMM2 width with GEMM1's K step) and both
     GEMMs share warps/stages; "full": every GEMM1 tile x GEMM2 tile x launch shape; "split": the
     configs the op runs today (the table's row for the key and the heuristic), each with GEMM1 and
-    GEMM2 unsplit or split over K in SPLITS (a short decode sweep). "tied" and "full" split GEMM1 only,
+    GEMM2 unsplit or split over K in SPLITS (a short decode sweep); "ahead": those configs with GEMM2 unsplit and
+    its lookahead prefetch at each of AHEADS (NVIDIA sm_90+). "tied" and "full" split GEMM1 only,
     and add REG_CAPS variants of the scheme's unsplit 128-k tiles.
     """
     t = _tuning()
     h = t.heuristic(key.scheme, key.H, key.I, key.E, key.top_k, key.tokens)
     if space == "split":
         return split_candidates(t, key, h)
+    if space == "ahead":
+        return ahead_candidates(t, key, h)
     bms = [b for b in BLOCK_MS if h.block_m / 2 <= b <= h.block_m * 2]
     # e4m3 activations tie the tiles to quant groups (GEMM1's width, GEMM2's K step): GEMM2's width is
     # swept on its own there
@@ -161,15 +167,23 @@ def split_candidates(t, key: Key, heuristic) -> list:
     return list(dict.fromkeys([replace(c, split_k1=s1, split_k2=s2) for c in bases for s1 in splits for s2 in splits]))
 
 
-CONFIG_SYNTAX = "BM,N1,K1,W1,S1,N2,K2,W2,S2[,GROUP_M[,SPLIT1[,SPLIT2[,MAXNREG1[,MAXNREG2]]]]]"
+def ahead_candidates(t, key: Key, heuristic) -> list:
+    """The table's config for the key and the heuristic as they are, then each with GEMM2 unsplit at every lookahead
+    distance in AHEADS."""
+    table = t.lookup(key.device, key.scheme, key.H, key.I, key.E, key.top_k, key.tokens)
+    bases = list(dict.fromkeys((table, heuristic)))
+    return list(dict.fromkeys(bases + [replace(c, split_k2=1, ahead2=a) for c in bases for a in AHEADS]))
+
+
+CONFIG_SYNTAX = "BM,N1,K1,W1,S1,N2,K2,W2,S2[,GROUP_M[,SPLIT1[,SPLIT2[,MAXNREG1[,MAXNREG2[,AHEAD2]]]]]]"
 
 
 def parse_tile_config(text: str):
     """A TileConfig from its fields in a table row's column order: the nine tile and launch fields, then optionally
-    group_m, split_k1, split_k2, maxnreg1, maxnreg2 (left out: the TileConfig defaults)."""
+    group_m, split_k1, split_k2, maxnreg1, maxnreg2, ahead2 (left out: the TileConfig defaults)."""
     values = text.split(",")
-    if not 9 <= len(values) <= 14 or not all(v.isdigit() for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: allowed are 9 to 14 integers {CONFIG_SYNTAX}")
+    if not 9 <= len(values) <= 15 or not all(v.isdigit() for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed are 9 to 15 integers {CONFIG_SYNTAX}")
     return _tuning().TileConfig(*map(int, values))
 
 
@@ -580,7 +594,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="token buckets per rank (default 1 8 32 128 512 2048 8192)")
     parser.add_argument("--only", default=None, help=f"kernel families, comma-separated (default all: "
                                                      f"{', '.join(FAMILIES)})")
-    parser.add_argument("--space", choices=("tied", "full", "split"), default=None,
+    parser.add_argument("--space", choices=("tied", "full", "split", "ahead"), default=None,
                         help="candidate space (see docs/tune.md; default tied)")
     parser.add_argument("--configs", nargs="+", type=parse_tile_config, default=None,
                         metavar="CONFIG",
