@@ -92,6 +92,14 @@ def test_device_tables_script_parses_and_refuses_an_unknown_part():
     assert proc.returncode == 2 and "allowed are kernels or mxfp4" in proc.stderr
 
 
+def test_device_pending_script_parses_and_needs_the_old_experts_file(tmp_path):
+    script = ROOT / "scripts" / "device_pending.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "OUT": str(tmp_path / "out")})
+    assert proc.returncode == 2 and ".cache/old/experts.py is missing" in proc.stdout
+
+
 def _device_tables_functions() -> str:
     """device_tables.sh's late and merge_all, to run on the CPU without its GPU steps."""
     text = (ROOT / "scripts" / "device_tables.sh").read_text()
