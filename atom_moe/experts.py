@@ -246,6 +246,7 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     cfg = config if config is not None else tuning.lookup(
         device_name(x.device), spec.scheme.value, spec.hidden_size, spec.intermediate_size, E_l, k, T)
     cfg.check(spec.scheme.value)
+    common.check_ahead("GEMM2", cfg.ahead2, 1, x.device)  # before any launch: the device must have the prefetch
     ws = workspace if workspace is not None else allocate_workspace(spec, T, x.device)
     ws.check(spec, T)
     fp8 = spec.scheme.fp8_activations  # fp8 and a8w4

@@ -172,7 +172,8 @@ def _exercise() -> None:
             kcommon.tma = tma
         # GEMM2's lookahead prefetch (a table's ahead2, NVIDIA sm_90+, which this CPU recording is not: its device
         # check is lifted as PDL's is): counter and separate combine, pair blocks
-        check_ahead, gemm2.check_ahead = gemm2.check_ahead, lambda *args: None
+        check_ahead = kcommon.check_ahead  # the op checks it up front, gemm2 again
+        kcommon.check_ahead = gemm2.check_ahead = lambda *args: None
         try:
             ahead = dataclasses.replace(tuning.heuristic(scheme, H, I, E, K, T), split_k2=1, ahead2=512)
             fused_experts(x, w, ids, weights, spec, config=ahead)
@@ -180,7 +181,7 @@ def _exercise() -> None:
             ahead = dataclasses.replace(tuning.heuristic(scheme, H, I, E, K, 1), split_k2=1, ahead2=512)
             fused_experts(x[:1], w[:1], ids[:1], weights, spec, config=ahead, pair_blocks=True)
         finally:
-            gemm2.check_ahead = check_ahead
+            kcommon.check_ahead = gemm2.check_ahead = check_ahead
         if scheme == "a8w4":  # ATOM_MOE_A8W4_INTER=group: GEMM1 quantizes per 64-group, GEMM2's two accumulators
             _exercise_inter_per_group(x, w, ids, weights, spec, configs.get(scheme, ()))
         for wire in ("bf16", "fp8") if spec.scheme.fp8_activations else ("bf16",):

@@ -116,12 +116,15 @@ def test_gemm2_and_the_config_refuse_what_the_lookahead_cannot_run(monkeypatch):
     monkeypatch.setattr(common, "interpreting", lambda: False)  # a real launch on a CPU tensor: no PTX prefetch
     with pytest.raises(ValueError, match="NVIDIA sm_90"):
         common.check_ahead("GEMM2", 8, 1, torch.device("cpu"))
-    # the op refuses before any launch
+    # the op refuses before any launch: the routing launch has not filled the workspace's sorted pair list
     spec, p = make_layer(128, 128, 4, 2, "bf16", device="cpu")
     w, ids = make_routing(3, 4, 2, mode="random", device="cpu")
+    ws = allocate_workspace(spec, 3, "cpu")
+    ws.sorted_ids.fill_(-5)
     with pytest.raises(ValueError, match="NVIDIA sm_90"):
-        fused_experts(torch.randn(3, 128).to(torch.bfloat16), w, ids, p, spec,
+        fused_experts(torch.randn(3, 128).to(torch.bfloat16), w, ids, p, spec, workspace=ws,
                       config=dataclasses.replace(_small("bf16"), ahead2=16))
+    assert bool((ws.sorted_ids == -5).all())
     assert tuning.MAX_AHEAD == common.MAX_AHEAD and tuning.MAX_SPLIT_K == common.MAX_SPLIT_K
     base = _small("bf16")
     dataclasses.replace(base, ahead2=tuning.MAX_AHEAD).check("bf16")
